@@ -1,0 +1,20 @@
+// The op contract: every schema of the flashattn namespace, defined once, with its defaults.
+// Backends register implementations with TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda; the fake (meta)
+// implementations live in flashattn_ext/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import flashattn_ext._C` only needs to load this shared library: loading it runs the registrations below.
+// No pybind11: the dispatcher is the whole interface.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(flashattn, m) {
+  // q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) with H % Hk == 0. Returns out (q's shape and dtype) and
+  // lse (float32, (B, H, Lq), natural-log logsumexp of the scaled scores). causal is bottom-right aligned.
+  m.def("fwd(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None) -> (Tensor out, Tensor lse)");
+}

@@ -1,0 +1,11 @@
+"""flashattn_ext: FlashAttention for PyTorch as a C++/CUDA extension.
+
+Importing the package loads the compiled library, which registers ``torch.ops.flashattn.*``.
+The user-facing entry point is :func:`flash_attn`.
+"""
+__version__ = "0.1.0"
+
+from . import _C  # noqa: F401  (loads the library: runs TORCH_LIBRARY / TORCH_LIBRARY_IMPL registrations)
+from .ops import flash_attn, flash_attn_with_lse  # noqa: E402
+
+__all__ = ["flash_attn", "flash_attn_with_lse", "__version__"]

@@ -1,0 +1,51 @@
+"""Python face of the flashattn ops: user-facing functions and fake (meta) implementations."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["flash_attn", "flash_attn_with_lse"]
+
+
+def flash_attn_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+) -> Tuple[Tensor, Tensor]:
+    """Like :func:`flash_attn`, but also returns ``lse`` (float32, (B, H, Lq)): the natural-log logsumexp
+    of each row of scaled scores (``-inf`` for a row that sees no key)."""
+    return torch.ops.flashattn.fwd(q, k, v, causal, scale)
+
+
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """Exact attention ``softmax(scale * q @ k.T) @ v`` without materialising the score matrix.
+
+    Args:
+        q: (B, H, Lq, D) queries.
+        k: (B, Hk, Lk, D) keys; ``H % Hk == 0`` (GQA/MQA): query head ``h`` reads kv head ``h // (H // Hk)``.
+        v: (B, Hk, Lk, D) values.
+        causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``
+            (equal to SDPA's ``is_causal`` when ``Lq == Lk``). A query row that sees no key returns zeros
+            (SDPA returns NaN there).
+        scale: multiplier of the scores; defaults to ``1 / sqrt(D)``.
+
+    Any strides with ``stride(-1) == 1`` are used as given (no copy), e.g. transposed views of a packed
+    (B, L, 3, H, D) tensor. CUDA supports float16 and bfloat16 with ``D`` a multiple of 8 up to 256; CPU
+    supports float32, float64, float16 and bfloat16 with any ``D``.
+
+    Returns:
+        out: (B, H, Lq, D), the dtype of ``q``.
+    """
+    return torch.ops.flashattn.fwd(q, k, v, causal, scale)[0]
+
+
+@torch.library.register_fake("flashattn::fwd")
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "flashattn.fwd: q, k, v must be 4-D")
+    batch, heads, len_q, head_dim = q.shape
+    torch._check(k.shape[0] == batch and v.shape[0] == batch, lambda: "flashattn.fwd: batch sizes differ")
+    torch._check(k.shape[3] == head_dim and v.shape[3] == head_dim, lambda: "flashattn.fwd: head dims differ")
+    torch._check(k.shape[1] == v.shape[1] and k.shape[2] == v.shape[2], lambda: "flashattn.fwd: k/v shapes differ")
+    out = torch.empty((batch, heads, len_q, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, len_q), dtype=torch.float32, device=q.device)
+    return out, lse

@@ -1,0 +1,111 @@
+"""Build flashattn_ext._C: the op schemas, the CPU kernels and (when nvcc is present) the CUDA kernels.
+
+Environment variables (all optional):
+  FLASHATTN_BUILD_CUDA   "0" builds the CPU backend only; default: build CUDA whenever nvcc is found.
+  FLASHATTN_CUDA_ARCHS   e.g. "80;90a". Default: the visible GPU's arch ("90a" on Hopper), else "80;90a".
+                         The sm_80 cubin also runs on sm_86/sm_89; sm_90a is Hopper's own target.
+  FLASHATTN_HEADDIMS     head-dim buckets to compile, e.g. "64,128" for a quick build. Default: all of
+                         32,64,96,128,160,192,224,256. A head dim whose bucket is not built raises an error.
+  FLASHATTN_PTXAS_VERBOSE "1" prints ptxas register/spill reports for every kernel.
+  MAX_JOBS               parallel compile jobs (ninja).
+"""
+import os
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent.resolve()
+ALL_HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def read_version():
+    text = (ROOT / "flashattn_ext" / "__init__.py").read_text()
+    return re.search(r'^__version__ = "([^"]+)"', text, re.M).group(1)
+
+
+def cuda_archs():
+    env = os.environ.get("FLASHATTN_CUDA_ARCHS")
+    if env:
+        return [a.strip() for a in env.replace(",", ";").split(";") if a.strip()]
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return ["90a"] if (major, minor) == (9, 0) else [f"{major}{minor}"]
+    return ["80", "90a"]
+
+
+def headdims():
+    env = os.environ.get("FLASHATTN_HEADDIMS")
+    if not env:
+        return list(ALL_HEADDIMS)
+    dims = sorted({int(d) for d in env.replace(";", ",").split(",") if d.strip()})
+    bad = [d for d in dims if d not in ALL_HEADDIMS]
+    if bad:
+        raise SystemExit(f"FLASHATTN_HEADDIMS: {bad} are not buckets; choose from {ALL_HEADDIMS}")
+    return dims
+
+
+def build_cuda():
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    flag = os.environ.get("FLASHATTN_BUILD_CUDA")
+    if flag is not None:
+        return flag != "0"
+    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
+
+
+def make_extension():
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cxx_flags = ["-O3", "-std=c++17"]
+    sources = ["csrc/flashattn.cpp", "csrc/cpu/attention_cpu.cpp"]
+    if not build_cuda():
+        return CppExtension(
+            "flashattn_ext._C", sources, include_dirs=[str(ROOT / "csrc")], extra_compile_args={"cxx": cxx_flags}
+        )
+
+    dims = headdims()
+    # One generated file per (arch family, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py.
+    for path in sorted((ROOT / "csrc/cuda/instantiations").glob("*.cu")):
+        m = re.search(r"_hdim(\d+)_", path.name)
+        if m and int(m.group(1)) in dims:
+            sources.append(str(path.relative_to(ROOT)))
+    sources.append("csrc/cuda/flash_api.cpp")
+
+    defines = [f"-DFLASHATTN_HAS_HDIM{d}" for d in dims] + ["-DFLASHATTN_WITH_CUDA"]
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "-lineinfo",
+        "-Xptxas=-warn-spills",
+    ]
+    for arch in cuda_archs():
+        nvcc_flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    if os.environ.get("FLASHATTN_PTXAS_VERBOSE") == "1":
+        nvcc_flags.append("-Xptxas=-v")
+    return CUDAExtension(
+        "flashattn_ext._C",
+        sources,
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags + defines},
+    )
+
+
+def main():
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        name="flashattn_ext",
+        version=read_version(),
+        packages=find_packages(include=["flashattn_ext", "flashattn_ext.*"]),
+        ext_modules=[make_extension()],
+        cmdclass={"build_ext": BuildExtension},
+    )
+
+
+if __name__ == "__main__":
+    main()
