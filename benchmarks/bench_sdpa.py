@@ -1,0 +1,648 @@
+"""Compare the flashattn_ext forward with torch SDPA (each backend pinned) and naive attention.
+
+Usage (from the repository root):
+    python benchmarks/bench_sdpa.py                        # full grid: bf16, B*L = 16k tokens, H*D = 2048
+    python benchmarks/bench_sdpa.py --quick                # small subset, a smoke test
+    python benchmarks/bench_sdpa.py --head-dims 128 --lengths 1024,16384 --causal on --dtypes bf16,fp16
+    python benchmarks/bench_sdpa.py --backends flash,cudnn --naive-mem-gib 0 --no-plot
+    python benchmarks/bench_sdpa.py --device cpu           # the CPU variant (the default without a GPU)
+
+Every configuration gets fresh random inputs; our op, each SDPA backend (pinned with
+torch.nn.attention.sdpa_kernel) and the naive path (softmax(Q K^T) V in the input dtype, scores materialised)
+are then timed side by side in this process: triton.testing.do_bench medians on the GPU (CUDA events when triton
+is missing), perf_counter medians on the CPU. A backend that rejects a configuration shows '-'; so does the naive
+path when its score matrix would exceed --naive-mem-gib.
+
+FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
+above the inputs (CUDA only) and the max abs difference between our output and SDPA's (flash backend, else math).
+
+Outputs, in --out (default benchmarks/results/): bench_sdpa_<device>.csv, .json (rows and metadata) and .png
+(TFLOP/s against L, one panel per dtype, head dim and causal). The table and a summary are printed last.
+
+A timed quantity is a *mode*: a function make_fn(impl, q, k, v, causal) -> (callable, flops multiplier)
+registered in MODES. Only the forward ("fwd") exists today.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Max abs difference to SDPA above which a row is flagged; bf16 has an 8-bit mantissa, fp16 an 11-bit one.
+DIFF_TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01, torch.float32: 1e-3}
+
+# Defaults of the two variants; --quick replaces the grid entries with its own.
+GPU_DEFAULTS = dict(
+    dtypes="bf16", head_dims="64,128,256", lengths="512,1024,2048,4096,8192,16384", tokens=16384, hidden=2048,
+    backends="flash,efficient,cudnn", summary_min_len=1024,
+)
+GPU_QUICK = dict(head_dims="64,128", lengths="1024,4096")
+CPU_DEFAULTS = dict(
+    dtypes="fp32", head_dims="32,64", lengths="128,256,512", tokens=2048, hidden=256,
+    backends="flash,math", summary_min_len=256,
+)
+CPU_QUICK = dict(head_dims="32", lengths="128,256", tokens=1024)
+
+GPU_WARMUP_MS, GPU_REP_MS = 25, 100  # do_bench budgets per measurement
+CPU_WARMUP_CALLS, CPU_REPS = 1, 5
+
+flashattn_ext = None  # imported in main() so that --help works without a build
+
+
+# ----------------------------------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class Config:
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    heads: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype} D={self.head_dim} L={self.seqlen} causal={'on' if self.causal else 'off'}"
+
+    def forward_flops(self) -> float:
+        flops = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        return flops / 2 if self.causal else flops
+
+    def score_bytes(self, element_size: int) -> int:
+        return self.batch * self.heads * self.seqlen * self.seqlen * element_size
+
+
+def build_grid(dtypes: List[str], head_dims: List[int], lengths: List[int], causals: List[bool], tokens: int,
+               hidden: int) -> List[Config]:
+    """B = tokens // L and H = hidden // D (at least 1 each), so every row does comparable work."""
+    return [
+        Config(dtype, d, causal, seqlen, max(1, tokens // seqlen), max(1, hidden // d))
+        for dtype in dtypes
+        for d in head_dims
+        for causal in causals
+        for seqlen in lengths
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ what is timed
+def naive_attention(q, k, v, causal: bool):
+    """softmax(scale * Q K^T) V in the input dtype with the full score matrix in memory."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5)
+    if causal:
+        len_q, len_k = scores.shape[-2:]
+        masked = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).triu_(len_k - len_q + 1)
+        scores.masked_fill_(masked, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def forward_callable(impl: str, q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
+    """A zero-argument forward of `impl`: 'ours', 'naive' or an SDPA backend name (pinned, no fallback)."""
+    if impl == "ours":
+        return lambda: flashattn_ext.flash_attn(q, k, v, causal=causal)
+    if impl == "naive":
+        return lambda: naive_attention(q, k, v, causal)
+    backend = SDPA_BACKENDS[impl]
+
+    def sdpa():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return sdpa
+
+
+def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Tuple[Callable[[], object], float]:
+    """Mode 'fwd': the forward alone; its FLOPs are the forward FLOPs."""
+    return forward_callable(impl, q, k, v, causal), 1.0
+
+
+MODES = {"fwd": make_fwd_fn}
+
+
+# ------------------------------------------------------------------------------------------------------ timers
+def cpu_median_ms(fn: Callable[[], object]) -> float:
+    for _ in range(CPU_WARMUP_CALLS):
+        fn()
+    times = []
+    for _ in range(CPU_REPS):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def cuda_event_median_ms(fn: Callable[[], object]) -> float:
+    """Fallback when triton is missing: warm up for GPU_WARMUP_MS, then time single calls with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end), 1e-3)
+    for _ in range(max(1, int(GPU_WARMUP_MS / estimate))):
+        fn()
+    times = []
+    for _ in range(max(5, int(GPU_REP_MS / estimate))):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def make_timer(device: str) -> Tuple[Callable[[Callable[[], object]], float], str]:
+    """The timing function for `device` and its description (for the metadata)."""
+    if device == "cpu":
+        return cpu_median_ms, f"time.perf_counter median of {CPU_REPS} after {CPU_WARMUP_CALLS} warmup call(s)"
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return cuda_event_median_ms, "CUDA events median (triton missing)"
+
+    def triton_median_ms(fn):
+        return do_bench(fn, warmup=GPU_WARMUP_MS, rep=GPU_REP_MS, return_mode="median")
+
+    return triton_median_ms, f"triton.testing.do_bench median (warmup {GPU_WARMUP_MS} ms, rep {GPU_REP_MS} ms)"
+
+
+# ------------------------------------------------------------------------------------------------- measurement
+@dataclass
+class Measurement:
+    ms: Optional[float] = None
+    tflops: Optional[float] = None
+    mem_mib: Optional[float] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class Row:
+    config: Config
+    results: Dict[str, Measurement] = field(default_factory=dict)
+    max_abs_diff: Optional[float] = None
+    diff_ref: Optional[str] = None
+    diff_ok: Optional[bool] = None
+
+    def tflops(self, impl: str) -> Optional[float]:
+        result = self.results.get(impl)
+        return result.tflops if result else None
+
+    def best_sdpa(self, backends: List[str]) -> Optional[str]:
+        timed = [b for b in backends if self.tflops(b) is not None]
+        return max(timed, key=self.tflops) if timed else None
+
+    def ratio(self, impl: Optional[str]) -> Optional[float]:
+        ours, other = self.tflops("ours"), self.tflops(impl) if impl else None
+        return ours / other if ours is not None and other else None
+
+
+def short_error(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def release_cuda_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def peak_memory_mib(fn: Callable[[], object]) -> float:
+    """Peak CUDA memory allocated during one call, above what was allocated before it (the inputs)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    del result
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure(impl: str, q, k, v, config: Config, make_fn, timer, device: str) -> Measurement:
+    try:
+        fn, flops_multiplier = make_fn(impl, q, k, v, config.causal)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA explains each refusal in a UserWarning; we keep the error
+            fn()  # raises here if the implementation rejects the configuration
+        ms = timer(fn)
+        mem = peak_memory_mib(fn) if device == "cuda" else None
+    except Exception as exc:  # an unsupported configuration (or an OOM) becomes '-' in the table
+        release_cuda_memory(device)
+        return Measurement(error=short_error(exc))
+    return Measurement(ms=ms, tflops=config.forward_flops() * flops_multiplier / (ms * 1e-3) / 1e12, mem_mib=mem)
+
+
+def reference_output(q, k, v, causal: bool, math_budget_bytes: float) -> Tuple[Optional[torch.Tensor], str]:
+    """SDPA's output from the flash backend, else from math (when its fp32 scores fit the budget)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return forward_callable("flash", q, k, v, causal)(), "flash"
+        except Exception:
+            pass
+        fp32_score_bytes = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
+        if fp32_score_bytes > math_budget_bytes:
+            return None, "-"
+        try:
+            return forward_callable("math", q, k, v, causal)(), "math"
+        except Exception:
+            return None, "-"
+
+
+def check_correctness(row: Row, q, k, v, math_budget_bytes: float) -> None:
+    """Fill the row's max abs difference between our output and SDPA's, and whether it is within tolerance."""
+    try:
+        ours = forward_callable("ours", q, k, v, row.config.causal)()
+    except Exception:
+        return
+    ref, row.diff_ref = reference_output(q, k, v, row.config.causal, math_budget_bytes)
+    if ref is not None:
+        row.max_abs_diff = (ours.float() - ref.float()).abs().max().item()
+        row.diff_ok = row.max_abs_diff <= DIFF_TOLERANCE[q.dtype]
+
+
+def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
+    shape = (config.batch, config.heads, config.seqlen, config.head_dim)
+    options = dict(dtype=DTYPES[config.dtype], device=args.device)
+    q, k, v = (torch.randn(shape, **options) for _ in range(3))
+    budget = args.naive_mem_gib * 2**30
+    row = Row(config)
+    check_correctness(row, q, k, v, budget)
+    for impl in impls:
+        if impl == "naive" and config.score_bytes(q.element_size()) > budget:
+            gib = config.score_bytes(q.element_size()) / 2**30
+            row.results[impl] = Measurement(error=f"skipped: scores {gib:.3g} GiB > --naive-mem-gib")
+            continue
+        row.results[impl] = measure(impl, q, k, v, config, make_fn, timer, args.device)
+    del q, k, v
+    release_cuda_memory(args.device)
+    return row
+
+
+def progress(total: int):
+    """A tqdm bar on stderr, or plain progress prints when tqdm is missing."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="bench_sdpa", file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        return PlainProgress(total)
+
+
+class PlainProgress:
+    def __init__(self, total: int):
+        self.total, self.done, self.label = total, 0, ""
+
+    def set_postfix_str(self, label: str) -> None:
+        self.label = label
+        print(f"[{self.done + 1}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+
+    def close(self) -> None:
+        pass
+
+
+def run_grid(configs: List[Config], impls: List[str], args, make_fn, timer) -> List[Row]:
+    rows = []
+    bar = progress(len(configs))
+    for config in configs:
+        bar.set_postfix_str(config.label)
+        rows.append(run_config(config, impls, args, make_fn, timer))
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------- outputs
+def fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def fmt_rate(value: Optional[float]) -> str:
+    """TFLOP/s with one decimal on the GPU scale, three significant digits below 10 (the CPU scale)."""
+    return fmt(value, ".1f" if value is not None and value >= 10 else ".3g")
+
+
+def significant(value: Optional[float], digits: int = 4) -> Optional[float]:
+    return None if value is None else float(format(value, f".{digits}g"))
+
+
+def row_record(row: Row, impls: List[str], backends: List[str]) -> Dict[str, object]:
+    """One flat dict per row, numbers to 4 significant digits: the CSV columns (the JSON adds the errors)."""
+    c = row.config
+    best = row.best_sdpa(backends)
+    record = dict(dtype=c.dtype, head_dim=c.head_dim, causal=c.causal, seqlen=c.seqlen, batch=c.batch,
+                  heads=c.heads, gflop=round(c.forward_flops() / 1e9, 3))
+    for impl in impls:
+        result = row.results[impl]
+        record[f"{impl}_ms"] = significant(result.ms)
+        record[f"{impl}_tflops"] = significant(result.tflops)
+        record[f"{impl}_mem_mib"] = significant(result.mem_mib)
+    record.update(
+        best_sdpa=best, ours_over_best=significant(row.ratio(best)),
+        ours_over_flash=significant(row.ratio("flash")) if "flash" in backends else None,
+        max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok,
+    )
+    return record
+
+
+def write_csv(path: Path, records: List[Dict[str, object]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def metadata(args, timer_name: str) -> Dict[str, object]:
+    on_gpu = args.device == "cuda"
+    return dict(
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name() if on_gpu else cpu_name(),
+        cpu_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda if on_gpu else None,
+        cudnn=torch.backends.cudnn.version() if on_gpu else None,
+        python=platform.python_version(),
+        flashattn_ext=getattr(flashattn_ext, "__version__", None),
+        flashattn_ext_path=getattr(flashattn_ext, "__file__", None),
+        git_commit=git_commit(),
+        dtypes=args.dtypes, mode=args.mode, timer=timer_name, naive_mem_gib=args.naive_mem_gib,
+        tokens=args.tokens, hidden=args.hidden,
+    )
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        models = []
+    model = models[0] if models else platform.processor() or platform.machine()
+    return f"CPU {model} ({torch.get_num_threads()} threads)"
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def write_json(path: Path, meta, rows: List[Row], records: List[Dict[str, object]]) -> None:
+    payload = dict(metadata=meta, rows=[
+        dict(record, errors={impl: r.error for impl, r in row.results.items() if r.error})
+        for row, record in zip(rows, records)
+    ])
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+IMPL_STYLE = {  # colour and marker per line of the plot
+    "ours": ("black", "o"), "flash": ("tab:blue", "s"), "efficient": ("tab:orange", "^"),
+    "cudnn": ("tab:green", "D"), "math": ("tab:purple", "v"), "naive": ("tab:red", "x"),
+}
+
+
+def write_plot(path: Path, rows: List[Row], impls: List[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.config.dtype, r.config.head_dim) for r in rows})
+    causals = sorted({r.config.causal for r in rows})
+    header_inches = 0.7  # the title and the legend above the panels
+    width, height = max(10.0, 5.5 * len(causals)), 3.8 * len(panels) + header_inches
+    fig, axes = plt.subplots(len(panels), len(causals), figsize=(width, height), squeeze=False, sharex=True)
+    for (dtype, head_dim), ax_row in zip(panels, axes):
+        for causal, ax in zip(causals, ax_row):
+            panel_rows = sorted((r for r in rows if (r.config.dtype, r.config.head_dim, r.config.causal)
+                                 == (dtype, head_dim, causal)), key=lambda r: r.config.seqlen)
+            lengths = [r.config.seqlen for r in panel_rows]
+            for impl in impls:
+                values = [r.tflops(impl) for r in panel_rows]
+                color, marker = IMPL_STYLE[impl]
+                ax.plot(lengths, [math.nan if t is None else t for t in values], label=impl, color=color,
+                        marker=marker, linewidth=2.2 if impl == "ours" else 1.4)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.set_title(f"{dtype}  D={head_dim}  causal={'on' if causal else 'off'}")
+            ax.set_xlabel("sequence length L")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(impls), bbox_to_anchor=(0.5, 1 - 0.3 / height),
+               frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 1 - header_inches / height))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+SHORT_NAMES = {"efficient": "effic"}
+
+
+def table_columns(backends: List[str], impls: List[str]) -> List[Tuple[str, Callable[[Row], str]]]:
+    """(header, cell function) per printed column; the TFLOP/s columns follow the chosen implementations."""
+    columns: List[Tuple[str, Callable[[Row], str]]] = [
+        ("dtype", lambda r: r.config.dtype),
+        ("D", lambda r: str(r.config.head_dim)),
+        ("causal", lambda r: "on" if r.config.causal else "off"),
+        ("L", lambda r: str(r.config.seqlen)),
+        ("B", lambda r: str(r.config.batch)),
+        ("H", lambda r: str(r.config.heads)),
+        ("ours ms", lambda r: fmt(r.results["ours"].ms, ".3f")),
+    ]
+    for impl in impls:
+        columns.append((f"{SHORT_NAMES.get(impl, impl)} TF", lambda r, i=impl: fmt_rate(r.tflops(i))))
+    columns += [
+        ("best", lambda r: r.best_sdpa(backends) or "-"),
+        ("/best", lambda r: fmt(r.ratio(r.best_sdpa(backends)), ".2f")),
+    ]
+    if "flash" in backends:
+        columns.append(("/flash", lambda r: fmt(r.ratio("flash"), ".2f")))
+    columns += [
+        ("MiB ours", lambda r: fmt(r.results["ours"].mem_mib, ".0f")),
+        ("MiB best", lambda r: fmt(r.results[r.best_sdpa(backends)].mem_mib if r.best_sdpa(backends) else None,
+                                   ".0f")),
+        ("max diff", lambda r: fmt(r.max_abs_diff, ".1e") + ("" if r.diff_ok in (None, True) else " !")),
+    ]
+    return columns
+
+
+def print_table(rows: List[Row], backends: List[str], impls: List[str]) -> None:
+    columns = table_columns(backends, impls)
+    cells = [[cell(row) for _, cell in columns] for row in rows]
+    widths = [max(len(header), *(len(line[i]) for line in cells)) for i, (header, _) in enumerate(columns)]
+    print(" ".join(h.rjust(w) for (h, _), w in zip(columns, widths)))
+    print(" ".join("-" * w for w in widths))
+    for line in cells:
+        print(" ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print("TF = TFLOP/s; best = fastest SDPA backend; /best, /flash = our TFLOP/s over theirs; "
+          "MiB = peak memory above the inputs (CUDA only); max diff = max |ours - SDPA|, '!' above tolerance.")
+
+
+def print_errors(rows: List[Row]) -> None:
+    """Why our op showed '-' (other implementations' reasons are in the JSON)."""
+    failures = [(r.config.label, r.results["ours"].error) for r in rows if r.results["ours"].error]
+    for label, error in failures:
+        print(f"ours failed at {label}: {error}")
+
+
+def print_summary(rows: List[Row], backends: List[str], min_len: int) -> None:
+    print(f"\nSummary: lowest ratio of our TFLOP/s over rows with L >= {min_len}")
+    groups = sorted({(r.config.dtype, r.config.head_dim, r.config.causal) for r in rows})
+    for dtype, head_dim, causal in groups:
+        group = [r for r in rows if (r.config.dtype, r.config.head_dim, r.config.causal) == (dtype, head_dim, causal)
+                 and r.config.seqlen >= min_len]
+        parts = []
+        if "flash" in backends:
+            parts.append("ours/flash " + min_ratio(group, lambda r: r.ratio("flash")))
+        parts.append("ours/best-SDPA " + min_ratio(group, lambda r: r.ratio(r.best_sdpa(backends))))
+        print(f"  {dtype} D={head_dim:<3} causal={'on ' if causal else 'off'}  " + "   ".join(parts))
+    flagged = [r.config.label for r in rows if r.diff_ok is False]
+    print(f"Correctness: {len(flagged)} row(s) above tolerance" + (": " + "; ".join(flagged) if flagged else ""))
+
+
+def min_ratio(rows: List[Row], ratio: Callable[[Row], Optional[float]]) -> str:
+    values = [(ratio(r), r.config.seqlen) for r in rows if ratio(r) is not None]
+    if not values:
+        return "-"
+    value, seqlen = min(values)
+    return f"{value:.2f} (L={seqlen})"
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+def int_list(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def name_list(text: str, allowed, option: str) -> List[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise SystemExit(f"{option}: unknown {unknown}; choose from {sorted(allowed)}")
+    return names
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Grid defaults: GPU bf16, D 64,128,256, L 512..16384, tokens 16384, hidden 2048; "
+               "CPU fp32, D 32,64, L 128,256,512, tokens 2048, hidden 256.",
+    )
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="where to run; auto = cuda when available, else the CPU variant")
+    parser.add_argument("--dtypes", help="comma list of bf16, fp16, fp32")
+    parser.add_argument("--head-dims", help="comma list of head dims D")
+    parser.add_argument("--lengths", help="comma list of sequence lengths L (Lq == Lk)")
+    parser.add_argument("--tokens", type=int, help="B*L per configuration (B = tokens // L, at least 1)")
+    parser.add_argument("--hidden", type=int, help="H*D per configuration (H = hidden // D, at least 1)")
+    parser.add_argument("--causal", choices=["both", "on", "off"], default="both", help="causal masking")
+    parser.add_argument("--backends", help=f"comma list of SDPA backends from {', '.join(SDPA_BACKENDS)}")
+    parser.add_argument("--naive-mem-gib", type=float, default=8.0,
+                        help="skip the naive path when its score matrix exceeds this many GiB (0: never run it); "
+                             "also bounds the math-backend reference of the correctness check")
+    parser.add_argument("--quick", action="store_true", help="a small subset of the grid, for smoke tests")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the CSV, JSON and PNG")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--summary-min-len", type=int,
+                        help="smallest L counted in the summary (default 1024 on GPU, 256 on CPU)")
+    args = parser.parse_args(argv)
+    args.mode = "fwd"  # the only entry of MODES so far
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU visible")
+    defaults = dict(GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS)
+    if args.quick:
+        defaults.update(GPU_QUICK if args.device == "cuda" else CPU_QUICK)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def import_flashattn_ext():
+    """Import the package installed, else the one built in place in this checkout."""
+    global flashattn_ext
+    try:
+        import flashattn_ext as module
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        sys.modules.pop("flashattn_ext", None)
+        try:
+            import flashattn_ext as module
+        except ImportError as exc:
+            raise SystemExit(f"cannot import flashattn_ext ({exc}); build it first: "
+                             "python setup.py build_ext --inplace (FLASHATTN_BUILD_CUDA=0 for CPU only)")
+    flashattn_ext = module
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dtypes = name_list(args.dtypes, DTYPES, "--dtypes")
+    backends = name_list(args.backends, SDPA_BACKENDS, "--backends")
+    import_flashattn_ext()
+    impls = ["ours", *backends, "naive"]
+    causals = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
+    configs = build_grid(dtypes, int_list(args.head_dims), int_list(args.lengths), causals, args.tokens,
+                         args.hidden)
+    timer, timer_name = make_timer(args.device)
+    meta = metadata(args, timer_name)
+    variant = "GPU" if args.device == "cuda" else "CPU variant (no GPU in use: small fp32 sizes by default)"
+    print(f"bench_sdpa: {variant} on {meta['device']}; torch {meta['torch']}, cuDNN {meta['cudnn']}; "
+          f"{len(configs)} configs x {len(impls)} implementations; timer: {timer_name}", flush=True)
+
+    torch.manual_seed(0)
+    rows = run_grid(configs, impls, args, MODES[args.mode], timer)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_sdpa_{args.device}"
+    records = [row_record(row, impls, backends) for row in rows]
+    write_csv(stem.with_suffix(".csv"), records)
+    write_json(stem.with_suffix(".json"), meta, rows, records)
+    written = [stem.with_suffix(".csv"), stem.with_suffix(".json")]
+    if not args.no_plot:
+        title = f"flashattn_ext vs SDPA, {args.mode}, {meta['device']}, torch {meta['torch']}"
+        write_plot(stem.with_suffix(".png"), rows, impls, title)
+        written.append(stem.with_suffix(".png"))
+
+    print()
+    print_table(rows, backends, impls)
+    print_errors(rows)
+    print("wrote " + ", ".join(str(p) for p in written))
+    print_summary(rows, backends, args.summary_min_len)
+
+
+if __name__ == "__main__":
+    main()
