@@ -74,7 +74,8 @@ def make_extension():
             sources.append(str(path.relative_to(ROOT)))
     sources.append("csrc/cuda/flash_api.cpp")
 
-    defines = [f"-DFLASHATTN_HAS_HDIM{d}" for d in dims] + ["-DFLASHATTN_WITH_CUDA"]
+    # Read by the dispatch in flash_api.cpp (host compiler only: nvcc would split the value at its commas).
+    built_headdims = f"-DFLASHATTN_BUILT_HEADDIMS={','.join(map(str, dims))}"
     nvcc_flags = [
         "-O3",
         "-std=c++17",
@@ -91,7 +92,7 @@ def make_extension():
         "flashattn_ext._C",
         sources,
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": nvcc_flags + defines},
+        extra_compile_args={"cxx": cxx_flags + [built_headdims], "nvcc": nvcc_flags},
     )
 
 

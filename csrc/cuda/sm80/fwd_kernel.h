@@ -1,0 +1,361 @@
+// Portable FlashAttention-2 forward (sm_80 and newer): mma.sync m16n8k16, ldmatrix, cp.async double buffering.
+//
+// One CTA computes a kBlockM x D block of the output for one (batch, head). Its Q block stays in shared memory;
+// the CTA walks the K/V blocks the block can see, and each warp keeps the online-softmax state (running max,
+// running sum, fp32 output accumulator) of its own 16 * kMTiles query rows in registers. Normalisation is
+// deferred to the end. K/V tiles past the sequence end or head dim are zero-filled by cp.async, so only the
+// blocks that cross the sequence end or the causal diagonal pay for masking.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "cuda/params.h"
+#include "cuda/sm80/ptx.h"
+
+namespace flashattn::sm80 {
+
+template <int HeadDim>
+struct FwdTraits {
+  static constexpr int kHeadDim = HeadDim;
+  // Up to D = 128 a warp owns 32 rows (two m16 tiles), so every K/V fragment read from shared memory feeds two
+  // MMAs: with 16 rows per warp the CTA would be bound by ldmatrix bandwidth rather than by the tensor cores.
+  // Past 128 the fp32 accumulator of 32 rows no longer fits in registers; there 8 warps own 16 rows each.
+  static constexpr int kMTiles = HeadDim <= 128 ? 2 : 1;
+  static constexpr int kNWarps = HeadDim <= 128 ? 4 : 8;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockM = kNWarps * kMTiles * 16;  // 128 for every head dim
+  // Wider key blocks halve the per-block overhead (barriers, row max reductions) where registers allow.
+  static constexpr int kBlockN = HeadDim <= 64 ? 128 : 64;
+  // Rows of shared-memory tiles are padded by 16 bytes: consecutive rows then start in different 16-byte bank
+  // groups, which makes every ldmatrix (8 rows x 16 bytes) conflict-free for any D that is a multiple of 32.
+  static constexpr int kSmemStride = HeadDim + 8;
+  static constexpr int kStages = 2;  // K and V are double-buffered
+  static constexpr int kSmemQ = kBlockM * kSmemStride;
+  static constexpr int kSmemKV = kBlockN * kSmemStride;
+  template <typename T>
+  static constexpr int smem_bytes() {
+    return (kSmemQ + 2 * kStages * kSmemKV) * static_cast<int>(sizeof(T));
+  }
+  // Two CTAs per SM where registers (<= 255 per thread for 128 threads) and shared memory allow it.
+  static constexpr int kMinBlocksPerSM = kNWarps == 4 ? 2 : 1;
+
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "head-dim buckets are multiples of 32 up to 256");
+};
+
+// Copies rows [row0, row0 + kRows) of a (L, D) slice (row stride in elements) into a padded shared tile.
+// Rows >= num_rows and columns >= head_dim are zero-filled. Each thread owns one 16-byte column chunk and
+// walks down the rows, so its addresses are one base plus a fixed step (few registers held across the loop).
+template <typename T, typename Traits, int kRows>
+__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int row0, int num_rows,
+                                                int head_dim) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;  // threads past the last full row idle
+  constexpr int kSteps = (kRows + kRowsPerStep - 1) / kRowsPerStep;
+  const int row = threadIdx.x / kChunksPerRow;
+  const int col = (threadIdx.x % kChunksPerRow) * 8;
+  if (row >= kRowsPerStep) return;
+  const bool col_valid = col < head_dim;
+  const T* src = gmem + static_cast<int64_t>(row0 + row) * row_stride + col;
+  T* dst = smem + row * Traits::kSmemStride + col;
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const int r = row + step * kRowsPerStep;
+    if (kRows % kRowsPerStep == 0 || r < kRows) {
+      const bool valid = col_valid && row0 + r < num_rows;
+      cp_async_16(dst + step * kRowsPerStep * Traits::kSmemStride,
+                  valid ? src + static_cast<int64_t>(step * kRowsPerStep) * row_stride : gmem, valid);
+    }
+  }
+}
+
+// Writes a finished output row range; `rows` rows of the warp, staged in shared memory, 16 bytes per store.
+template <typename T, typename Traits>
+__device__ __forceinline__ void store_rows(T* gmem, int64_t row_stride, const T* smem, int row0, int rows,
+                                           int num_rows, int head_dim, int lane) {
+  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
+  for (int chunk = lane; chunk < rows * kChunksPerRow; chunk += 32) {
+    const int row = chunk / kChunksPerRow;
+    const int col = (chunk % kChunksPerRow) * 8;
+    if (row0 + row < num_rows && col < head_dim) {
+      *reinterpret_cast<uint4*>(gmem + static_cast<int64_t>(row0 + row) * row_stride + col) =
+          *reinterpret_cast<const uint4*>(smem + row * Traits::kSmemStride + col);
+    }
+  }
+}
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
+    flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kMTiles = Traits::kMTiles;
+  constexpr int kStride = Traits::kSmemStride;
+  constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of the output accumulator
+  constexpr int kNTiles = kBlockN / 8;   // n8 tiles of the score block
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* const sQ = reinterpret_cast<T*>(smem_raw);
+  T* const sK = sQ + Traits::kSmemQ;                        // [kStages][kBlockN][kStride]
+  T* const sV = sK + Traits::kStages * Traits::kSmemKV;     // [kStages][kBlockN][kStride]
+
+  // Block order: query blocks fastest, so CTAs running together share one head's K/V in L2. Causal runs the
+  // longest query blocks (the last ones) first so that the short ones fill the tail of the grid.
+  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const int m_index = blockIdx.x % num_m_blocks;
+  const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
+  const int head = (blockIdx.x / num_m_blocks) % p.heads;
+  const int batch = blockIdx.x / num_m_blocks / p.heads;
+  const int kv_head = head / p.heads_per_kv;
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int m_start = m_block * kBlockM;
+  const int m_end = min(m_start + kBlockM, p.len_q);
+  const int causal_shift = p.len_k - p.len_q;  // query i sees keys j <= i + causal_shift
+
+  // Keys this block can see: [0, n_end).
+  const int n_end = kCausal ? max(0, min(p.len_k, m_end + causal_shift)) : p.len_k;
+  const int num_n_blocks = (n_end + kBlockN - 1) / kBlockN;
+
+  const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
+  const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  T* o_base = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
+  float* lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
+
+  // Prologue: commit groups {Q, K0}, {V0}, {K1}. The loop keeps this shape: before the S GEMM of block j the
+  // two newest groups are V_j and K_{j+1}; before the P·V GEMM the newest is K_{j+1}.
+  load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, p.len_q, p.head_dim);
+  if (num_n_blocks > 0) load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, 0, n_end, p.head_dim);
+  cp_async_commit();
+  if (num_n_blocks > 0) load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, 0, n_end, p.head_dim);
+  cp_async_commit();
+  if (num_n_blocks > 1) {
+    load_tile_async<T, Traits, kBlockN>(sK + Traits::kSmemKV, k_base, p.k_row_stride, kBlockN, n_end, p.head_dim);
+  }
+  cp_async_commit();
+
+  // Per-thread state. Fragment rows: lane / 4 and lane / 4 + 8 of each m16 tile; columns 2 * (lane % 4) + {0, 1}
+  // of each n8 tile. Scores are kept in log2 units (already multiplied by scale * log2 e).
+  float acc_o[kMTiles][kDTiles][4];
+  float row_max[kMTiles][2];
+  float row_sum[kMTiles][2];  // partial: this thread's columns only, reduced across the quad at the end
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.f;
+    }
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+
+  const int warp_row0 = warp * kMTiles * 16;  // first row of this warp inside the block
+  // ldmatrix row addresses: A fragments (Q) take rows lane % 16, column half lane / 16; B fragments of K take
+  // rows (lane / 16) * 8 + lane % 8 (two n8 tiles), column half (lane / 8) % 2; V (transposed) takes rows
+  // ((lane / 8) % 2) * 8 + lane % 8 and column half lane / 16.
+  const T* q_frag_row = sQ + (warp_row0 + lane % 16) * kStride + (lane / 16) * 8;
+  const int k_frag_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
+  const int v_frag_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
+
+  for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+    const int stage = n_block % Traits::kStages;
+    const T* sK_stage = sK + stage * Traits::kSmemKV;
+    const T* sV_stage = sV + stage * Traits::kSmemKV;
+    const int n_start = n_block * kBlockN;
+
+    cp_async_wait<2>();  // K_j has landed
+    __syncthreads();
+
+    // S = Q · K_jᵀ
+    float acc_s[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(a[mt], q_frag_row + mt * 16 * kStride + kk * 16);
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        ldmatrix_x4(b, sK_stage + k_frag_offset + np * 16 * kStride + kk * 16);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // Scale into log2 units; mask keys past the end and, on the diagonal, keys after each query's limit.
+    const bool needs_mask =
+        n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // Last key this row may see, relative to this thread's first column in the block.
+        int last_col = p.len_k - 1;
+        if (kCausal) last_col = min(last_col, m_start + warp_row0 + mt * 16 + lane / 4 + half * 8 + causal_shift);
+        last_col -= n_start + 2 * (lane % 4);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& s = acc_s[mt][nt][2 * half + c];
+            s *= p.scale_log2;
+            if (needs_mask && nt * 8 + c > last_col) s = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax: new running max, rescale of the old state, P = exp2(S - max) packed to T at once (half
+    // the registers of the fp32 scores; the packed pairs are already in the A-fragment layout of P·V).
+    uint32_t p_frag[kMTiles][kNTiles][2];
+    float rescale[kMTiles][2];
+    bool max_moved = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float block_max = row_max[mt][half];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          block_max = fmaxf(block_max, fmaxf(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
+        }
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+        // A row with no visible key so far keeps max = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        const float base = block_max == -INFINITY ? 0.f : block_max;
+        rescale[mt][half] = fast_exp2(row_max[mt][half] - base);
+        max_moved |= block_max != row_max[mt][half];
+        row_max[mt][half] = block_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const float p0 = fast_exp2(acc_s[mt][nt][2 * half] - base);
+          const float p1 = fast_exp2(acc_s[mt][nt][2 * half + 1] - base);
+          p_frag[mt][nt][half] = pack2<T>(p0, p1);
+          sum += p0 + p1;
+        }
+        row_sum[mt][half] = row_sum[mt][half] * rescale[mt][half] + sum;
+      }
+    }
+    // Once the running maxima settle (most blocks of a long row), no row of the warp moves and the rescale of
+    // the accumulator, the largest ALU cost of the loop, is skipped.
+    if (__any_sync(0xffffffff, max_moved)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] *= rescale[mt][i / 2];
+        }
+      }
+    }
+
+    cp_async_wait<1>();  // V_j has landed
+    __syncthreads();     // ...for every thread; and every warp is done reading K stage `stage` and V stage ^1
+    if (n_block + 1 < num_n_blocks) {
+      load_tile_async<T, Traits, kBlockN>(sV + (stage ^ 1) * Traits::kSmemKV, v_base, p.v_row_stride,
+                                          n_start + kBlockN, n_end, p.head_dim);
+    }
+    cp_async_commit();
+
+    // O += P · V_j
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = p_frag[mt][2 * kk][0];
+        a[mt][1] = p_frag[mt][2 * kk][1];
+        a[mt][2] = p_frag[mt][2 * kk + 1][0];
+        a[mt][3] = p_frag[mt][2 * kk + 1][1];
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, sV_stage + v_frag_offset + kk * 16 * kStride + dp * 16);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<T>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+          mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    if (n_block + 2 < num_n_blocks) {
+      load_tile_async<T, Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_base, p.k_row_stride,
+                                          n_start + 2 * kBlockN, n_end, p.head_dim);
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: finish the row sums, normalise, write lse; stage O in this warp's own rows of sQ (only this warp
+  // ever read them) and store it with 16-byte writes.
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[mt][half];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row without keys: out = 0
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[mt][dt][2 * half] *= inv;
+        acc_o[mt][dt][2 * half + 1] *= inv;
+      }
+      const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
+      if (lane % 4 == 0 && row < p.len_q) {
+        lse_base[row] = sum > 0.f ? (row_max[mt][half] + __log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      T* dst = sQ + (warp_row0 + mt * 16 + lane / 4) * kStride + dt * 8 + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(dst) = pack2<T>(acc_o[mt][dt][0], acc_o[mt][dt][1]);
+      *reinterpret_cast<uint32_t*>(dst + 8 * kStride) = pack2<T>(acc_o[mt][dt][2], acc_o[mt][dt][3]);
+    }
+  }
+  __syncwarp();
+  store_rows<T, Traits>(o_base, p.o_row_stride, sQ + warp_row0 * kStride, m_start + warp_row0, kMTiles * 16,
+                        p.len_q, p.head_dim, lane);
+}
+
+// Launches the forward on `stream`; returns the first CUDA error (attribute or launch), never synchronises.
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
+  using Traits = FwdTraits<HeadDim>;
+  auto kernel = flash_fwd_kernel<T, Traits, kCausal>;
+  constexpr int kSmemBytes = Traits::template smem_bytes<T>();
+  if constexpr (kSmemBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const dim3 grid(static_cast<unsigned>(num_m_blocks * params.heads * params.batch));
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn::sm80
