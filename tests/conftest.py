@@ -1,0 +1,81 @@
+"""Shared pytest setup: per-test seeds, device/dtype parametrisation, markers, CUDA skips.
+
+A test that takes a ``device`` argument runs on every device of :func:`devices`; one that takes ``device`` and
+``dtype`` runs on every (device, dtype) pair the backend supports (:data:`DTYPES`), narrowed with
+``@pytest.mark.dtypes(cpu=[...], cuda=[...])`` (an empty list drops the device). Tests marked ``cuda`` (the CUDA
+parameters included) are skipped when no GPU is visible.
+"""
+import zlib
+
+import pytest
+import torch
+
+import flashattn_ext  # noqa: F401  (registers torch.ops.flashattn)
+
+DTYPES = {
+    "cpu": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+    "cuda": (torch.float16, torch.bfloat16),
+}
+DTYPE_IDS = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def devices():
+    """The devices tests run on, as pytest params: cpu always, cuda marked ``cuda`` (skipped without a GPU)."""
+    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+def device_dtypes(cpu=None, cuda=None):
+    """(device, dtype) pytest params; ``cpu``/``cuda`` override the dtypes of that device."""
+    chosen = {"cpu": DTYPES["cpu"] if cpu is None else cpu, "cuda": DTYPES["cuda"] if cuda is None else cuda}
+    params = []
+    for device_param in devices():
+        device = device_param.values[0]
+        for dtype in chosen[device]:
+            params.append(pytest.param(device, dtype, id=f"{device}-{DTYPE_IDS[dtype]}", marks=device_param.marks))
+    return params
+
+
+def _explicitly_parametrized(metafunc, name):
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        names = marker.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if name in names:
+            return True
+    return False
+
+
+def pytest_generate_tests(metafunc):
+    names = metafunc.fixturenames
+    if "device" not in names or _explicitly_parametrized(metafunc, "device"):
+        return
+    if "dtype" in names and not _explicitly_parametrized(metafunc, "dtype"):
+        marker = metafunc.definition.get_closest_marker("dtypes")
+        overrides = marker.kwargs if marker else {}
+        metafunc.parametrize("device,dtype", device_dtypes(**overrides))
+    else:
+        metafunc.parametrize("device", devices())
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "dtypes(cpu=[...], cuda=[...]): the dtypes a (device, dtype) test runs with")
+    config.addinivalue_line("markers", "large: needs FLASHATTN_TEST_LARGE=1 and tens of GiB of GPU memory")
+    # Raised inside torch by torch.compile / opcheck, not by this project.
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def seed(request):
+    """Seed every RNG from the test id: each test gets fresh, reproducible inputs independent of test order."""
+    value = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(value)
+    return value

@@ -1,0 +1,220 @@
+"""Reference attention, input makers and the accuracy rule shared by the tests.
+
+The accuracy rule is FlashAttention's: measure how far PyTorch's own low-precision computation lands from a
+high-precision reference, and allow our kernel at most ``ERROR_FACTOR`` times that, plus a small per-dtype floor.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+# Our max abs error vs the high-precision reference may be this many times PyTorch's own low-precision error...
+ERROR_FACTOR = 3.0
+# ...plus this floor. Small enough that a wrong scale, mask or head mapping still fails (test_checker_* proves it),
+# large enough to absorb the rounding of the output itself when PyTorch happens to be exact (e.g. one key per row).
+OUT_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+# lse is float32 on every dtype and computed from exactly upcast inputs, so it is held to fp32 accuracy
+# (rtol = atol = value); fp64 inputs only lose the final rounding to float32.
+LSE_TOL = {torch.float64: 1e-6, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reference is computed in: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def visible_mask(len_q: int, len_k: int, causal: bool, device) -> Tensor:
+    """(Lq, Lk) bool: query i sees key j (bottom-right aligned causal: j <= i + Lk - Lq)."""
+    i = torch.arange(len_q, device=device)[:, None]
+    j = torch.arange(len_k, device=device)[None, :]
+    if not causal:
+        return torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+    return j <= i + (len_k - len_q)
+
+
+def rows_with_keys(len_q: int, len_k: int, causal: bool, device) -> Tensor:
+    """(Lq,) bool: the query rows that see at least one key."""
+    return visible_mask(len_q, len_k, causal, device).any(dim=-1)
+
+
+def repeat_kv(t: Tensor, heads: int) -> Tensor:
+    """GQA/MQA: expand (B, Hk, L, D) to (B, H, L, D) so that query head h reads kv head h // (H // Hk)."""
+    heads_kv = t.shape[1]
+    return t if heads_kv in (0, heads) else t.repeat_interleave(heads // heads_kv, dim=1)
+
+
+def attention_ref(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, upcast: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Naive softmax(scale * q k^T) v, materialising the scores.
+
+    upcast=True computes in float32 (float64 for float64 inputs) and returns out in that dtype; upcast=False computes
+    in the input dtype, like PyTorch's own low-precision path, and returns out in it. lse (natural log, (B, H, Lq)) is
+    always reduced in the reference dtype from the scores of the chosen path. A row that sees no key (causal with
+    Lq > Lk, or Lk == 0) gets out = 0 and lse = -inf.
+    """
+    if upcast:
+        acc = reference_dtype(q.dtype)
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    heads, len_q, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    len_k = k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    k, v = repeat_kv(k, heads), repeat_kv(v, heads)
+
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    visible = visible_mask(len_q, len_k, causal, q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores.to(reference_dtype(scores.dtype)), dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    # softmax of an all -inf row is NaN; such a row attends to nothing.
+    probs = probs.masked_fill(~visible.any(dim=-1)[:, None], 0.0)
+    return torch.matmul(probs, v), lse
+
+
+def sdpa_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """torch SDPA with our semantics (bottom-right causal, GQA). Rows that see no key are unspecified (NaN or 0)."""
+    len_q, len_k = q.shape[2], k.shape[2]
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    if causal and len_q != len_k:
+        with warnings.catch_warnings():  # "will produce NaNs when seq_len_q > seq_len_kv": those rows are ignored
+            warnings.simplefilter("ignore")
+            mask = causal_lower_right(len_q, len_k)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def max_abs_error(x: Tensor, ref: Tensor, rows: Optional[Tensor] = None) -> float:
+    """max |x - ref| over the query rows selected by the (Lq,) mask `rows` (all rows by default)."""
+    diff = (x.to(ref.dtype) - ref).abs()
+    if rows is not None:
+        diff = diff[:, :, rows]
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def assert_output_properties(out: Tensor, lse: Tensor, q: Tensor) -> None:
+    """out: q's shape, dtype and device, contiguous, finite; lse: float32 (B, H, Lq), contiguous, never NaN/+inf."""
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert out.is_contiguous()
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and lse.device == q.device
+    assert lse.is_contiguous()
+    assert torch.isfinite(out).all(), "out has NaN or inf"
+    assert not torch.isnan(lse).any() and not (lse == float("inf")).any(), "lse has NaN or +inf"
+
+
+def assert_error_within(out: Tensor, ref: Tensor, low_precision: list[Tensor], rows: Tensor, what: str) -> None:
+    """FlashAttention's rule on the rows `rows`: err(out) <= ERROR_FACTOR * max err(low_precision) + floor."""
+    baseline = max((max_abs_error(x, ref, rows) for x in low_precision), default=0.0)
+    err = max_abs_error(out, ref, rows)
+    tol = ERROR_FACTOR * baseline + OUT_FLOOR[out.dtype]
+    assert err <= tol, (
+        f"{what}: max abs error {err:.3e} > {ERROR_FACTOR} x PyTorch low-precision error {baseline:.3e} "
+        f"+ floor {OUT_FLOOR[out.dtype]:.0e}"
+    )
+
+
+def truth_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the accuracy rule measures errors in: float32 for float16/bfloat16 inputs, float64 otherwise.
+
+    float32 inputs are measured against float64 because PyTorch's float32 paths (naive and SDPA) share one GEMM:
+    against a float32 reference they would show almost no error, leaving no honest baseline for the rule.
+    """
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def assert_attention_close(
+    out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+) -> None:
+    """Check out and lse of flashattn.fwd(q, k, v, causal, scale) against the references.
+
+    out: vs the naive reference (attention_ref on inputs upcast to truth_dtype) and vs SDPA on the same upcast
+    inputs, each within ERROR_FACTOR x the error of PyTorch's low-precision paths (naive and SDPA, in the input
+    dtype) + OUT_FLOOR. lse: vs logsumexp of the reference scores. Rows that see no key: out exactly 0 and
+    lse exactly -inf (SDPA's output on those rows is ignored).
+    """
+    assert_output_properties(out, lse, q)
+    len_q, len_k = q.shape[2], k.shape[2]
+    keyed = rows_with_keys(len_q, len_k, causal, q.device)
+    assert (out[:, :, ~keyed] == 0).all(), "rows without keys must be exactly 0"
+    assert (lse[:, :, ~keyed] == float("-inf")).all(), "rows without keys must have lse = -inf"
+    if out.numel() == 0 or not keyed.any():
+        return
+
+    hi = truth_dtype(q.dtype)
+    q_hi, k_hi, v_hi = q.to(hi), k.to(hi), v.to(hi)
+    ref_out, ref_lse = attention_ref(q_hi, k_hi, v_hi, causal, scale)
+    sdpa_out = sdpa_ref(q_hi, k_hi, v_hi, causal, scale)
+    low_precision = [attention_ref(q, k, v, causal, scale, upcast=False)[0], sdpa_ref(q, k, v, causal, scale)]
+    assert_error_within(out, ref_out, low_precision, keyed, "out vs naive reference")
+    assert_error_within(out, sdpa_out, low_precision, keyed, "out vs SDPA reference")
+
+    tol = LSE_TOL[q.dtype]
+    torch.testing.assert_close(
+        lse[:, :, keyed], ref_lse[:, :, keyed].float(), rtol=tol, atol=tol, msg=lambda msg: f"lse vs reference: {msg}"
+    )
+
+
+def make_qkv(
+    batch: int,
+    heads: int,
+    heads_kv: int,
+    len_q: int,
+    len_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+    layout: str = "contiguous",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fresh randn q (B, H, Lq, D), k and v (B, Hk, Lk, D) in one of these layouts:
+
+    contiguous   plain (B, H, L, D) tensors
+    seq_major    (B, L, H, D) tensors viewed as (B, H, L, D) through .transpose(1, 2)
+    packed_qkv   transposed views of one packed (B, L, 3, H, D) tensor (needs Lq == Lk and H == Hk)
+    padded_rows  (B, H, L, D + 24)[..., :D]: rows further apart than D
+    """
+    opts = dict(dtype=dtype, device=device)
+    if layout == "contiguous":
+        return (
+            torch.randn(batch, heads, len_q, head_dim, **opts),
+            torch.randn(batch, heads_kv, len_k, head_dim, **opts),
+            torch.randn(batch, heads_kv, len_k, head_dim, **opts),
+        )
+    if layout == "seq_major":
+        return (
+            torch.randn(batch, len_q, heads, head_dim, **opts).transpose(1, 2),
+            torch.randn(batch, len_k, heads_kv, head_dim, **opts).transpose(1, 2),
+            torch.randn(batch, len_k, heads_kv, head_dim, **opts).transpose(1, 2),
+        )
+    if layout == "packed_qkv":
+        assert len_q == len_k and heads == heads_kv, "packed_qkv needs Lq == Lk and H == Hk"
+        qkv = torch.randn(batch, len_q, 3, heads, head_dim, **opts)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
+        return q, k, v
+    if layout == "padded_rows":
+        pad = 24
+        return (
+            torch.randn(batch, heads, len_q, head_dim + pad, **opts)[..., :head_dim],
+            torch.randn(batch, heads_kv, len_k, head_dim + pad, **opts)[..., :head_dim],
+            torch.randn(batch, heads_kv, len_k, head_dim + pad, **opts)[..., :head_dim],
+        )
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def sample_inputs(device, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    """Small (args, kwargs) samples of flashattn.fwd for opcheck and torch.compile tests."""
+
+    def qkv(*shape, layout="contiguous"):
+        return make_qkv(*shape, dtype=dtype, device=device, layout=layout)
+
+    return [
+        (qkv(2, 2, 2, 17, 17, 32), {}),
+        (qkv(1, 4, 2, 9, 33, 64), {"causal": True}),  # GQA, Lq < Lk
+        (qkv(1, 2, 1, 40, 24, 32), {"causal": True, "scale": 0.3}),  # MQA, Lq > Lk: rows without keys
+        (qkv(2, 2, 2, 1, 70, 64, layout="seq_major"), {"scale": 0.125}),  # decode, strided views
+        (qkv(1, 2, 2, 33, 33, 32, layout="packed_qkv"), {"causal": True}),
+    ]

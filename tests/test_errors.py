@@ -1,0 +1,121 @@
+"""Bad inputs raise RuntimeError with a message that names the problem (messages: csrc/api/checks.h and backends)."""
+import re
+
+import pytest
+import torch
+
+fwd = torch.ops.flashattn.fwd
+
+
+def valid_dtype(device):
+    return torch.float16 if device == "cuda" else torch.float32
+
+
+def qkv(device, batch=2, heads=4, heads_kv=2, len_q=16, len_k=24, head_dim=64, dtype=None):
+    opts = dict(dtype=dtype or valid_dtype(device), device=device)
+    return (
+        torch.randn(batch, heads, len_q, head_dim, **opts),
+        torch.randn(batch, heads_kv, len_k, head_dim, **opts),
+        torch.randn(batch, heads_kv, len_k, head_dim, **opts),
+    )
+
+
+def raises(fragment):
+    return pytest.raises(RuntimeError, match=re.escape(fragment))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("rank", [3, 5])
+def test_wrong_rank(device, which, rank):
+    tensors = dict(zip("qkv", qkv(device)))
+    t = tensors[which]
+    tensors[which] = t[0] if rank == 3 else t.unsqueeze(0)
+    with raises(f"{which} must have 4 dimensions"):
+        fwd(tensors["q"], tensors["k"], tensors["v"])
+
+
+def test_batch_mismatch(device):
+    q, _, _ = qkv(device, batch=2)
+    _, k, v = qkv(device, batch=3)
+    with raises("same batch size B"):
+        fwd(q, k, v)
+
+
+def test_head_dim_mismatch(device):
+    q, _, _ = qkv(device, head_dim=64)
+    _, k, v = qkv(device, head_dim=32)
+    with raises("same head dim D"):
+        fwd(q, k, v)
+
+
+def test_kv_heads_do_not_divide_query_heads(device):
+    q, k, v = qkv(device, heads=4, heads_kv=3)
+    with raises("must divide the number of query heads"):
+        fwd(q, k, v)
+
+
+def test_kv_length_mismatch(device):
+    q, k, _ = qkv(device, len_k=24)
+    _, _, v = qkv(device, len_k=25)
+    with raises("k and v must have the same length Lk"):
+        fwd(q, k, v)
+
+
+def test_kv_heads_mismatch(device):
+    q, k, _ = qkv(device, heads_kv=2)
+    _, _, v = qkv(device, heads_kv=4)
+    with raises("k and v must have the same number of heads"):
+        fwd(q, k, v)
+
+
+def test_mixed_dtypes(device):
+    q, k, v = qkv(device)
+    other = torch.bfloat16 if q.dtype != torch.bfloat16 else torch.float16
+    with raises("q, k and v must have the same dtype"):
+        fwd(q, k.to(other), v)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_last_dim_not_contiguous(device, which):
+    tensors = dict(zip("qkv", qkv(device)))
+    t = tensors[which]
+    tensors[which] = t.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, stride(-1) == L
+    with raises(f"{which} must have stride(-1) == 1"):
+        fwd(tensors["q"], tensors["k"], tensors["v"])
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_scale(device, scale):
+    with raises("scale must be finite"):
+        fwd(*qkv(device), False, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64], ids=["int32", "complex64"])
+def test_cpu_unsupported_dtype(dtype):
+    q, k, v = (t.to(dtype) for t in qkv("cpu"))
+    with raises("flashattn.fwd: CPU supports float32, float64, float16 and bfloat16"):
+        fwd(q, k, v)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_cuda_unsupported_dtype(dtype):
+    with raises("flashattn.fwd: CUDA supports float16 and bfloat16; cast q, k, v to one of them"):
+        fwd(*qkv("cuda", dtype=dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [4, 20, 100, 264, 512])
+def test_cuda_unsupported_head_dim(head_dim):
+    # CUDA: D a multiple of 8 up to 256.
+    with raises("head dim"):
+        fwd(*qkv("cuda", head_dim=head_dim))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cpu_tensor", ["q", "k", "v"])
+def test_mixed_devices(cpu_tensor):
+    tensors = dict(zip("qkv", qkv("cuda")))
+    tensors[cpu_tensor] = tensors[cpu_tensor].cpu()
+    with raises("same device"):
+        fwd(tensors["q"], tensors["k"], tensors["v"])
