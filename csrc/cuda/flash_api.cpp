@@ -68,7 +68,9 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.head_dim = static_cast<int>(s.head_dim);
   p.heads_per_kv = static_cast<int>(s.heads / s.heads_kv);
   p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  // The kernels need scale_log2 != 0 (masked scores are -inf, and -inf * 0 is NaN). For scale == 0 the
+  // smallest normal float gives the same uniform softmax: every scaled score rounds to 0.
+  p.scale_log2 = scale == 0.0 ? std::numeric_limits<float>::min() : static_cast<float>(scale * M_LOG2E);
   p.causal = causal;
   return p;
 }

@@ -126,20 +126,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   T* o_base = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
   float* lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
 
-  // Prologue: commit groups {Q, K0}, {V0}, {K1}. The loop keeps this shape: before the S GEMM of block j the
-  // two newest groups are V_j and K_{j+1}; before the P·V GEMM the newest is K_{j+1}.
+  // Prologue: {Q, K0, V0} in flight. Each iteration then waits for block j, and one barrier both publishes it
+  // and proves every warp is done with block j - 1, whose stage receives block j + 1 at once. One barrier per
+  // block lets warps drift apart, so one warp's softmax runs under another's MMAs.
   load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, p.len_q, p.head_dim);
-  if (num_n_blocks > 0) load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, 0, n_end, p.head_dim);
-  cp_async_commit();
-  if (num_n_blocks > 0) load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, 0, n_end, p.head_dim);
-  cp_async_commit();
-  if (num_n_blocks > 1) {
-    load_tile_async<T, Traits, kBlockN>(sK + Traits::kSmemKV, k_base, p.k_row_stride, kBlockN, n_end, p.head_dim);
+  if (num_n_blocks > 0) {
+    load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, 0, n_end, p.head_dim);
+    load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, 0, n_end, p.head_dim);
   }
   cp_async_commit();
 
   // Per-thread state. Fragment rows: lane / 4 and lane / 4 + 8 of each m16 tile; columns 2 * (lane % 4) + {0, 1}
-  // of each n8 tile. Scores are kept in log2 units (already multiplied by scale * log2 e).
+  // of each n8 tile. row_max holds raw scores (sign-corrected, see the mask step); exp2 works in log2 units.
   float acc_o[kMTiles][kDTiles][4];
   float row_max[kMTiles][2];
   float row_sum[kMTiles][2];  // partial: this thread's columns only, reduced across the quad at the end
@@ -162,14 +160,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   const int k_frag_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
   const int v_frag_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
 
+  const bool negate = p.scale_log2 < 0.f;
+  const float scale_log2 = fabsf(p.scale_log2);
+
   for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
     const int stage = n_block % Traits::kStages;
     const T* sK_stage = sK + stage * Traits::kSmemKV;
     const T* sV_stage = sV + stage * Traits::kSmemKV;
     const int n_start = n_block * kBlockN;
 
-    cp_async_wait<2>();  // K_j has landed
-    __syncthreads();
+    cp_async_wait<0>();  // K_j and V_j have landed (this thread's copies)...
+    __syncthreads();     // ...and everyone's; stage `stage ^ 1` is free again
+    if (n_block + 1 < num_n_blocks) {
+      const int next_start = n_start + kBlockN;
+      load_tile_async<T, Traits, kBlockN>(sK + (stage ^ 1) * Traits::kSmemKV, k_base, p.k_row_stride, next_start,
+                                          n_end, p.head_dim);
+      load_tile_async<T, Traits, kBlockN>(sV + (stage ^ 1) * Traits::kSmemKV, v_base, p.v_row_stride, next_start,
+                                          n_end, p.head_dim);
+    }
+    cp_async_commit();
 
     // S = Q · K_jᵀ
     float acc_s[kMTiles][kNTiles][4];
@@ -198,29 +207,32 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       }
     }
 
-    // Scale into log2 units; mask keys past the end and, on the diagonal, keys after each query's limit.
+    // Mask keys past the end and, on the diagonal, keys after each query's limit. The scale is applied inside
+    // the exp2 below (one FFMA per score); a negative scale is handled by negating the scores here, so the row
+    // maxima below are always maxima of scale * score.
     const bool needs_mask =
         n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+    if (needs_mask || negate) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // Last key this row may see, relative to this thread's first column in the block.
-        int last_col = p.len_k - 1;
-        if (kCausal) last_col = min(last_col, m_start + warp_row0 + mt * 16 + lane / 4 + half * 8 + causal_shift);
-        last_col -= n_start + 2 * (lane % 4);
+        for (int half = 0; half < 2; ++half) {
+          // Last key this row may see, relative to this thread's first column in the block.
+          int last_col = p.len_k - 1;
+          if (kCausal) last_col = min(last_col, m_start + warp_row0 + mt * 16 + lane / 4 + half * 8 + causal_shift);
+          last_col -= n_start + 2 * (lane % 4);
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
+          for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& s = acc_s[mt][nt][2 * half + c];
-            s *= p.scale_log2;
-            if (needs_mask && nt * 8 + c > last_col) s = -INFINITY;
+            for (int c = 0; c < 2; ++c) {
+              float& s = acc_s[mt][nt][2 * half + c];
+              if (negate) s = -s;
+              if (nt * 8 + c > last_col) s = -INFINITY;
+            }
           }
         }
       }
     }
-
     // Online softmax: new running max, rescale of the old state, P = exp2(S - max) packed to T at once (half
     // the registers of the fp32 scores; the packed pairs are already in the A-fragment layout of P·V).
     uint32_t p_frag[kMTiles][kNTiles][2];
@@ -237,16 +249,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
         }
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
-        // A row with no visible key so far keeps max = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-        const float base = block_max == -INFINITY ? 0.f : block_max;
-        rescale[mt][half] = fast_exp2(row_max[mt][half] - base);
+        // Maxima are of raw scores; `base` is in log2 units. A row with no visible key so far keeps max = -inf;
+        // subtracting 0 instead keeps exp2 at 0, not NaN.
+        const float base = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+        rescale[mt][half] = fast_exp2(row_max[mt][half] * scale_log2 - base);
         max_moved |= block_max != row_max[mt][half];
         row_max[mt][half] = block_max;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          const float p0 = fast_exp2(acc_s[mt][nt][2 * half] - base);
-          const float p1 = fast_exp2(acc_s[mt][nt][2 * half + 1] - base);
+          const float p0 = fast_exp2(fmaf(acc_s[mt][nt][2 * half], scale_log2, -base));
+          const float p1 = fast_exp2(fmaf(acc_s[mt][nt][2 * half + 1], scale_log2, -base));
           p_frag[mt][nt][half] = pack2<T>(p0, p1);
           sum += p0 + p1;
         }
@@ -265,14 +278,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
         }
       }
     }
-
-    cp_async_wait<1>();  // V_j has landed
-    __syncthreads();     // ...for every thread; and every warp is done reading K stage `stage` and V stage ^1
-    if (n_block + 1 < num_n_blocks) {
-      load_tile_async<T, Traits, kBlockN>(sV + (stage ^ 1) * Traits::kSmemKV, v_base, p.v_row_stride,
-                                          n_start + kBlockN, n_end, p.head_dim);
-    }
-    cp_async_commit();
 
     // O += P · V_j
 #pragma unroll
@@ -296,14 +301,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
         }
       }
     }
-
-    if (n_block + 2 < num_n_blocks) {
-      load_tile_async<T, Traits, kBlockN>(sK + stage * Traits::kSmemKV, k_base, p.k_row_stride,
-                                          n_start + 2 * kBlockN, n_end, p.head_dim);
-    }
-    cp_async_commit();
   }
+  // Only matters when the block sees no key: the loop never waited, and other warps' copies into sQ, which the
+  // epilogue reuses, may still be in flight.
   cp_async_wait<0>();
+  __syncthreads();
 
   // Epilogue: finish the row sums, normalise, write lse; stage O in this warp's own rows of sQ (only this warp
   // ever read them) and store it with 16-byte writes.
@@ -323,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       }
       const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
       if (lane % 4 == 0 && row < p.len_q) {
-        lse_base[row] = sum > 0.f ? (row_max[mt][half] + __log2f(sum)) * kLn2 : -INFINITY;
+        lse_base[row] = sum > 0.f ? (row_max[mt][half] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
   }
