@@ -17,4 +17,10 @@ TORCH_LIBRARY(flashattn, m) {
   // q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) with H % Hk == 0. Returns out (q's shape and dtype) and
   // lse (float32, (B, H, Lq), natural-log logsumexp of the scaled scores). causal is bottom-right aligned.
   m.def("fwd(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None) -> (Tensor out, Tensor lse)");
+  // Gradients of fwd given dout (and optionally dlse, the gradient flowing into lse, which ring/context-parallel
+  // attention needs). dq has q's shape, dk/dv k's and v's; all in the input dtype. deterministic=True forbids
+  // order-dependent accumulation (bitwise-identical results across runs).
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal=False, float? scale=None, "
+      "Tensor? dlse=None, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)");
 }

@@ -1,4 +1,4 @@
-"""Python face of the flashattn ops: user-facing functions and fake (meta) implementations."""
+"""Python face of the flashattn ops: user-facing functions, fake (meta) implementations, autograd."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -13,7 +13,7 @@ def flash_attn_with_lse(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
 ) -> Tuple[Tensor, Tensor]:
     """Like :func:`flash_attn`, but also returns ``lse`` (float32, (B, H, Lq)): the natural-log logsumexp
-    of each row of scaled scores (``-inf`` for a row that sees no key)."""
+    of each row of scaled scores (``-inf`` for a row that sees no key). Both outputs are differentiable."""
     return torch.ops.flashattn.fwd(q, k, v, causal, scale)
 
 
@@ -33,10 +33,16 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Opt
     (B, L, 3, H, D) tensor. CUDA supports float16 and bfloat16 with ``D`` a multiple of 8 up to 256; CPU
     supports float32, float64, float16 and bfloat16 with any ``D``.
 
+    Differentiable with respect to q, k and v. The backward is deterministic (bitwise-identical gradients across
+    runs) when ``torch.use_deterministic_algorithms(True)`` is in effect.
+
     Returns:
         out: (B, H, Lq, D), the dtype of ``q``.
     """
     return torch.ops.flashattn.fwd(q, k, v, causal, scale)[0]
+
+
+# ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 
 @torch.library.register_fake("flashattn::fwd")
@@ -49,3 +55,54 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Opti
     out = torch.empty((batch, heads, len_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, len_q), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+@torch.library.register_fake("flashattn::bwd")
+def _bwd_fake(dout, q, k, v, out, lse, causal=False, scale=None, dlse=None, deterministic=False):
+    torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flashattn.bwd: dout/out must match q")
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+    )
+
+
+# ---- autograd ---------------------------------------------------------------------------------------------------
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.scale = scale
+
+
+def _fwd_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used downstream
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:  # autograd hands out expanded grads (e.g. of out.sum()); the kernels need rows
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    dq, dk, dv = torch.ops.flashattn.bwd(
+        dout, q, k, v, out, lse, ctx.causal, ctx.scale, dlse, torch.are_deterministic_algorithms_enabled()
+    )
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, None)
+
+
+def _bwd_setup_context(ctx, inputs, output):
+    pass
+
+
+def _bwd_backward(ctx, *grads):
+    raise RuntimeError(
+        "flashattn: double backward (gradients of flashattn gradients, e.g. torch.autograd.grad(..., "
+        "create_graph=True) followed by another backward) is not supported"
+    )
+
+
+torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("flashattn::bwd", _bwd_backward, setup_context=_bwd_setup_context)

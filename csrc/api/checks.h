@@ -1,4 +1,4 @@
-// Argument validation shared by every backend: one place, one message style ("flashattn.fwd: <arg> <rule>").
+// Argument validation shared by every backend: one place, one message style ("flashattn.<op>: <arg> <rule>").
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,6 +6,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 namespace flashattn {
 
@@ -15,44 +16,74 @@ struct AttentionShape {
   bool empty() const { return batch == 0 || heads == 0 || len_q == 0; }
 };
 
-inline AttentionShape check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4, "flashattn.fwd: q must have 4 dimensions (B, H, Lq, D), got ", q.dim());
-  TORCH_CHECK(k.dim() == 4, "flashattn.fwd: k must have 4 dimensions (B, Hk, Lk, D), got ", k.dim());
-  TORCH_CHECK(v.dim() == 4, "flashattn.fwd: v must have 4 dimensions (B, Hk, Lk, D), got ", v.dim());
+inline AttentionShape check_fwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const char* op = "flashattn.fwd") {
+  TORCH_CHECK(q.dim() == 4, op, ": q must have 4 dimensions (B, H, Lq, D), got ", q.dim());
+  TORCH_CHECK(k.dim() == 4, op, ": k must have 4 dimensions (B, Hk, Lk, D), got ", k.dim());
+  TORCH_CHECK(v.dim() == 4, op, ": v must have 4 dimensions (B, Hk, Lk, D), got ", v.dim());
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "flashattn.fwd: q, k and v must have the same dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+              op, ": q, k and v must have the same dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
               " and ", v.scalar_type());
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
-              "flashattn.fwd: q, k and v must be on the same device, got ", q.device(), ", ", k.device(), " and ",
+              op, ": q, k and v must be on the same device, got ", q.device(), ", ", k.device(), " and ",
               v.device());
 
   AttentionShape s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   TORCH_CHECK(k.size(0) == s.batch && v.size(0) == s.batch,
-              "flashattn.fwd: q, k and v must have the same batch size B, got ", s.batch, ", ", k.size(0), " and ",
+              op, ": q, k and v must have the same batch size B, got ", s.batch, ", ", k.size(0), " and ",
               v.size(0));
   TORCH_CHECK(k.size(3) == s.head_dim && v.size(3) == s.head_dim,
-              "flashattn.fwd: q, k and v must have the same head dim D, got ", s.head_dim, ", ", k.size(3), " and ",
+              op, ": q, k and v must have the same head dim D, got ", s.head_dim, ", ", k.size(3), " and ",
               v.size(3));
-  TORCH_CHECK(s.head_dim >= 1, "flashattn.fwd: head dim D must be >= 1, got ", s.head_dim);
-  TORCH_CHECK(v.size(1) == s.heads_kv, "flashattn.fwd: k and v must have the same number of heads, got ",
+  TORCH_CHECK(s.head_dim >= 1, op, ": head dim D must be >= 1, got ", s.head_dim);
+  TORCH_CHECK(v.size(1) == s.heads_kv, op, ": k and v must have the same number of heads, got ",
               s.heads_kv, " and ", v.size(1));
-  TORCH_CHECK(v.size(2) == s.len_k, "flashattn.fwd: k and v must have the same length Lk, got ", s.len_k, " and ",
+  TORCH_CHECK(v.size(2) == s.len_k, op, ": k and v must have the same length Lk, got ", s.len_k, " and ",
               v.size(2));
   TORCH_CHECK(s.heads_kv > 0 ? s.heads % s.heads_kv == 0 : s.heads == 0,
-              "flashattn.fwd: the number of kv heads (", s.heads_kv, ") must divide the number of query heads (",
+              op, ": the number of kv heads (", s.heads_kv, ") must divide the number of query heads (",
               s.heads, ")");
   for (const auto* t : {&q, &k, &v}) {
     const char* name = t == &q ? "q" : (t == &k ? "k" : "v");
-    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, "flashattn.fwd: ", name,
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, op, ": ", name,
                 " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(3));
   }
   return s;
 }
 
-inline double resolve_scale(std::optional<double> scale, int64_t head_dim) {
+inline double resolve_scale(std::optional<double> scale, int64_t head_dim, const char* op = "flashattn.fwd") {
   const double value = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
-  TORCH_CHECK(std::isfinite(value), "flashattn.fwd: scale must be finite, got ", value);
+  TORCH_CHECK(std::isfinite(value), op, ": scale must be finite, got ", value);
   return value;
+}
+
+// The backward's extra tensors must match what fwd produced for these q, k, v.
+inline AttentionShape check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                       const std::optional<at::Tensor>& dlse) {
+  constexpr const char* op = "flashattn.bwd";
+  const AttentionShape s = check_fwd_inputs(q, k, v, op);
+  for (const auto* t : {&dout, &out}) {
+    const char* name = t == &dout ? "dout" : "out";
+    TORCH_CHECK(t->sizes() == q.sizes(), op, ": ", name, " must have q's shape ", q.sizes(), ", got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ", q.scalar_type(),
+                ", got ", t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
+                t->device());
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, op, ": ", name,
+                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(3));
+  }
+  const std::vector<int64_t> lse_shape{s.batch, s.heads, s.len_q};
+  for (const at::Tensor* t : {&lse, dlse.has_value() ? &*dlse : nullptr}) {
+    if (t == nullptr) continue;
+    const char* name = t == &lse ? "lse" : "dlse";
+    TORCH_CHECK(t->sizes() == at::IntArrayRef(lse_shape), op, ": ", name, " must have shape (B, H, Lq) = ",
+                at::IntArrayRef(lse_shape), ", got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
+                t->device());
+  }
+  return s;
 }
 
 }  // namespace flashattn

@@ -1,0 +1,94 @@
+// CUDA backward of flashattn.fwd, interim version: the FlashAttention backward equations evaluated on chunks of
+// query rows with cuBLAS GEMMs in float32, so that gradients are correct and memory stays bounded while the fused
+// mma.sync/wgmma backward kernel is written. It recomputes P from lse exactly like the fused kernel will:
+//   P = exp(scale * Q K^T - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - (rowsum(dO * O) - dlse)),
+//   dQ = scale * dS K,  dK = scale * dS^T Q.
+// GQA: the query heads of one kv head are stacked along the row axis, so dK/dV of that kv head come out summed over
+// its group without repeating K/V. The chunk order is fixed and nothing is accumulated atomically, so the result is
+// deterministic whenever cuBLAS is (torch.use_deterministic_algorithms(True) plus CUBLAS_WORKSPACE_CONFIG).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "api/checks.h"
+
+namespace flashattn {
+namespace {
+
+// Score-sized fp32 temporaries per chunk stay under this many elements (a few live at once: ~2 GiB at most).
+constexpr int64_t kMaxChunkElements = int64_t{1} << 27;
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                                        std::optional<double> scale,
+                                                        const std::optional<at::Tensor>& dlse, bool deterministic) {
+  (void)deterministic;  // fixed chunk order, no atomics: deterministic either way (see the header comment)
+  const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
+  TORCH_CHECK(q.is_cuda(), "flashattn.bwd: expected CUDA tensors, got q on ", q.device());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "flashattn.bwd: CUDA supports float16 and bfloat16; cast q, k, v to one of them (got ",
+              q.scalar_type(), ")");
+  TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256,
+              "flashattn.bwd: on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
+  const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
+  const c10::cuda::CUDAGuard device_guard(q.device());
+
+  at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
+  at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
+  if (s.empty() || s.len_k == 0) {
+    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+  }
+
+  // Rows of one kv head: its `group` query heads one after the other, (B, Hk, group * Lq, D).
+  const int64_t group = s.heads / s.heads_kv;
+  const int64_t rows = group * s.len_q;
+  const auto by_kv_head = [&](const at::Tensor& t, int64_t last) {
+    return t.to(at::kFloat).contiguous().view({s.batch, s.heads_kv, rows, last});
+  };
+  const at::Tensor q_rows = by_kv_head(q, s.head_dim);
+  const at::Tensor do_rows = by_kv_head(dout, s.head_dim);
+  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);  // rowsum(dO * O), (B, H, Lq)
+  if (dlse.has_value()) delta = delta - *dlse;
+  const at::Tensor delta_rows = delta.contiguous().view({s.batch, s.heads_kv, rows, 1});
+  const at::Tensor lse_rows = lse.contiguous().view({s.batch, s.heads_kv, rows, 1});
+  const at::Tensor k_t = k.to(at::kFloat).transpose(-1, -2);  // (B, Hk, D, Lk)
+  const at::Tensor v_t = v.to(at::kFloat).transpose(-1, -2);
+  const at::Tensor k_f = k.to(at::kFloat);
+  at::Tensor dq_rows = dq.view({s.batch, s.heads_kv, rows, s.head_dim});
+
+  const int64_t chunk = std::max<int64_t>(1, kMaxChunkElements / (s.batch * s.heads_kv * s.len_k));
+  const at::Tensor key_index = at::arange(s.len_k, q.options().dtype(at::kLong));
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t r1 = std::min(rows, r0 + chunk);
+    const at::Tensor q_c = q_rows.narrow(2, r0, r1 - r0);
+    const at::Tensor do_c = do_rows.narrow(2, r0, r1 - r0);
+    const at::Tensor lse_c = lse_rows.narrow(2, r0, r1 - r0);
+
+    at::Tensor p = at::matmul(q_c, k_t).mul_(softmax_scale).sub_(lse_c).exp_();  // (B, Hk, C, Lk)
+    // A row without any visible key has lse = -inf: its P row must be 0, not exp(nan).
+    at::Tensor invisible = lse_c.isinf().expand_as(p);
+    if (causal) {
+      const at::Tensor query_index = at::arange(r0, r1, key_index.options()).remainder(s.len_q).unsqueeze(1);
+      invisible = invisible.logical_or(key_index.unsqueeze(0) > query_index + (s.len_k - s.len_q));
+    }
+    p.masked_fill_(invisible, 0.0);
+
+    dv.add_(at::matmul(p.transpose(-1, -2), do_c));
+    at::Tensor ds = at::matmul(do_c, v_t).sub_(delta_rows.narrow(2, r0, r1 - r0)).mul_(p);  // dS = P (dP - D)
+    dq_rows.narrow(2, r0, r1 - r0).copy_(at::matmul(ds, k_f).mul_(softmax_scale));
+    dk.add_(at::matmul(ds.transpose(-1, -2), q_c).mul_(softmax_scale));
+  }
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+}  // namespace
+}  // namespace flashattn
+
+TORCH_LIBRARY_IMPL(flashattn, CUDA, m) { m.impl("bwd", &flashattn::bwd_cuda); }
