@@ -20,7 +20,8 @@ Outputs, in --out (default benchmarks/results/): bench_sdpa_<device>.csv, .json 
 (TFLOP/s against L, one panel per dtype, head dim and causal). The table and a summary are printed last.
 
 A timed quantity is a *mode*: a function make_fn(impl, q, k, v, causal) -> (callable, flops multiplier)
-registered in MODES. Only the forward ("fwd") exists today.
+registered in MODES: "fwd" (the forward) and "fwdbwd" (forward + backward, 3.5x the forward FLOPs; its memory
+columns are then the peak memory of a training step's attention).
 """
 from __future__ import annotations
 
@@ -139,7 +140,20 @@ def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Tuple[Callable[[], object],
     return forward_callable(impl, q, k, v, causal), 1.0
 
 
-MODES = {"fwd": make_fwd_fn}
+def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Tuple[Callable[[], object], float]:
+    """Mode 'fwdbwd': forward plus the gradients of q, k, v for a fixed random dout (a training step's attention);
+    FLOPs 2.5x the forward's for the backward, 3.5x in all."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    forward = forward_callable(impl, q, k, v, causal)
+    dout = torch.randn_like(q)
+
+    def step():
+        return torch.autograd.grad(forward(), (q, k, v), dout)
+
+    return step, 3.5
+
+
+MODES = {"fwd": make_fwd_fn, "fwdbwd": make_fwdbwd_fn}
 
 
 # ------------------------------------------------------------------------------------------------------ timers
@@ -577,8 +591,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--summary-min-len", type=int,
                         help="smallest L counted in the summary (default 1024 on GPU, 256 on CPU)")
+    parser.add_argument("--mode", choices=sorted(MODES), default="fwd",
+                        help="fwd: forward only; fwdbwd: forward + backward (3.5x forward FLOPs)")
     args = parser.parse_args(argv)
-    args.mode = "fwd"  # the only entry of MODES so far
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -627,7 +642,7 @@ def main(argv=None) -> None:
     rows = run_grid(configs, impls, args, MODES[args.mode], timer)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_sdpa_{args.device}"
+    stem = args.out / f"bench_sdpa_{args.device}_{args.mode}"
     records = [row_record(row, impls, backends) for row in rows]
     write_csv(stem.with_suffix(".csv"), records)
     write_json(stem.with_suffix(".json"), meta, rows, records)
