@@ -72,7 +72,7 @@ def make_extension():
         m = re.search(r"_hdim(\d+)_", path.name)
         if m and int(m.group(1)) in dims:
             sources.append(str(path.relative_to(ROOT)))
-    sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp"]
+    sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/sm80/bwd_delta.cu"]
 
     # Read by the dispatch in flash_api.cpp (host compiler only: nvcc would split the value at its commas).
     built_headdims = f"-DFLASHATTN_BUILT_HEADDIMS={','.join(map(str, dims))}"

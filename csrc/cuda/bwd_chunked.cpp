@@ -1,14 +1,13 @@
-// CUDA backward of flashattn.fwd, interim version: the FlashAttention backward equations evaluated on chunks of
-// query rows with cuBLAS GEMMs in float32, so that gradients are correct and memory stays bounded while the fused
-// mma.sync/wgmma backward kernel is written. It recomputes P from lse exactly like the fused kernel will:
+// CUDA backward, chunked version: the FlashAttention backward equations evaluated on chunks of query rows with
+// cuBLAS GEMMs in float32. It serves the cases the fused kernel (sm80/bwd_kernel.h) does not cover (head dims
+// above 128, deterministic=True) and is the reference path it is checked against. Like the fused kernel it
+// recomputes P from lse:
 //   P = exp(scale * Q K^T - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - (rowsum(dO * O) - dlse)),
 //   dQ = scale * dS K,  dK = scale * dS^T Q.
 // GQA: the query heads of one kv head are stacked along the row axis, so dK/dV of that kv head come out summed over
 // its group without repeating K/V. The chunk order is fixed and nothing is accumulated atomically, so the result is
 // deterministic whenever cuBLAS is (torch.use_deterministic_algorithms(True) plus CUBLAS_WORKSPACE_CONFIG).
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
@@ -16,29 +15,19 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "cuda/bwd_chunked.h"
 
 namespace flashattn {
-namespace {
 
 // Score-sized fp32 temporaries per chunk stay under this many elements (a few live at once: ~2 GiB at most).
 constexpr int64_t kMaxChunkElements = int64_t{1} << 27;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
-                                                        const at::Tensor& k, const at::Tensor& v,
-                                                        const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                                        std::optional<double> scale,
-                                                        const std::optional<at::Tensor>& dlse, bool deterministic) {
-  (void)deterministic;  // fixed chunk order, no atomics: deterministic either way (see the header comment)
-  const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
-  TORCH_CHECK(q.is_cuda(), "flashattn.bwd: expected CUDA tensors, got q on ", q.device());
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "flashattn.bwd: CUDA supports float16 and bfloat16; cast q, k, v to one of them (got ",
-              q.scalar_type(), ")");
-  TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256,
-              "flashattn.bwd: on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
-  const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
-  const c10::cuda::CUDAGuard device_guard(q.device());
-
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dout, const at::Tensor& q,
+                                                           const at::Tensor& k, const at::Tensor& v,
+                                                           const at::Tensor& out, const at::Tensor& lse,
+                                                           const std::optional<at::Tensor>& dlse,
+                                                           const AttentionShape& s, bool causal,
+                                                           double softmax_scale) {
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
   at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
@@ -88,7 +77,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
-}  // namespace
 }  // namespace flashattn
-
-TORCH_LIBRARY_IMPL(flashattn, CUDA, m) { m.impl("bwd", &flashattn::bwd_cuda); }

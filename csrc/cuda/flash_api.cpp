@@ -1,17 +1,23 @@
-// CUDA backend of torch.ops.flashattn: validate, guard the device, allocate, fill FwdParams, pick a kernel.
-// ATen types stop here; kernels only see FwdParams.
+// CUDA backend of torch.ops.flashattn: validate, guard the device, allocate, fill the params, pick a kernel.
+// ATen types stop here; kernels only see FwdParams / BwdParams.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "api/checks.h"
-#include "cuda/fwd_launch.h"
+#include "cuda/bwd_chunked.h"
+#include "cuda/launch.h"
 #include "cuda/static_switch.h"
 
 namespace flashattn {
@@ -25,27 +31,28 @@ int head_dim_bucket(int64_t head_dim) {
   return 0;
 }
 
-void check_cuda_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionShape& s) {
-  TORCH_CHECK(q.is_cuda(), "flashattn.fwd: expected CUDA tensors, got q on ", q.device());
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "flashattn.fwd: CUDA supports float16 and bfloat16; cast q, k, v to one of them (got ",
-              q.scalar_type(), ")");
-  TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256,
-              "flashattn.fwd: on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
-  // cp.async moves 16-byte chunks: every row of q, k, v must start on a 16-byte boundary.
-  for (const auto* t : {&q, &k, &v}) {
-    const char* name = t == &q ? "q" : (t == &k ? "k" : "v");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "flashattn.fwd: ", name,
+// CUDA-only rules, shared by fwd and bwd. `rows` are the (B, H, L, D) tensors the kernels read with cp.async.
+void check_cuda_inputs(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> rows,
+                       const AttentionShape& s) {
+  const at::Tensor& q = *rows.begin()->second;
+  TORCH_CHECK(q.is_cuda(), op, ": expected CUDA tensors, got q on ", q.device());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
+              ": CUDA supports float16 and bfloat16; cast q, k, v to one of them (got ", q.scalar_type(), ")");
+  TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256, op,
+              ": on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
+  // cp.async moves 16-byte chunks: every row must start on a 16-byte boundary.
+  for (const auto& [name, t] : rows) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": ", name,
                 " must be 16-byte aligned (its data pointer is not; its storage offset is ", t->storage_offset(), ")");
     for (int dim = 0; dim < 3; ++dim) {
-      TORCH_CHECK(t->size(dim) <= 1 || t->stride(dim) % 8 == 0, "flashattn.fwd: ", name, ".stride(", dim,
+      TORCH_CHECK(t->size(dim) <= 1 || t->stride(dim) % 8 == 0, op, ": ", name, ".stride(", dim,
                   ") must be a multiple of 8 elements (16 bytes), got ", t->stride(dim));
     }
   }
-  const int64_t num_blocks = (s.len_q + 127) / 128 * s.heads * s.batch;
+  const int64_t num_blocks = (std::max(s.len_q, s.len_k) + 63) / 64 * s.heads * s.batch;
   TORCH_CHECK(num_blocks <= std::numeric_limits<int32_t>::max() && s.len_q <= std::numeric_limits<int32_t>::max() &&
                   s.len_k <= std::numeric_limits<int32_t>::max(),
-              "flashattn.fwd: B * H * ceil(Lq / 128), Lq and Lk must each be below 2^31");
+              op, ": B * H * ceil(L / 64), Lq and Lk must each be below 2^31");
 }
 
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -94,7 +101,7 @@ cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             bool causal, std::optional<double> scale) {
   const AttentionShape s = check_fwd_inputs(q, k, v);
-  check_cuda_inputs(q, k, v, s);
+  check_cuda_inputs("flashattn.fwd", {{"q", &q}, {"k", &k}, {"v", &v}}, s);
   const double softmax_scale = resolve_scale(scale, s.head_dim);
   const int bucket = head_dim_bucket(s.head_dim);
   TORCH_CHECK(head_dim_bucket_built(bucket), "flashattn.fwd: head dim ", s.head_dim, " needs bucket ", bucket,
@@ -116,7 +123,113 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   return {out, lse};
 }
 
+// FLASHATTN_CUDA_BWD=chunked forces the chunked backward, =fused the fused kernel wherever it applies.
+bool fused_bwd_requested() {
+  static const bool fused = [] {
+    const char* env = std::getenv("FLASHATTN_CUDA_BWD");
+    return env != nullptr && std::strcmp(env, "fused") == 0;
+  }();
+  return fused;
+}
+
+BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& lse, const at::Tensor& delta, const at::Tensor& dq_accum,
+                          const at::Tensor& dk, const at::Tensor& dv, const AttentionShape& s, double scale) {
+  BwdParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.dout = dout.data_ptr();
+  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+  p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.batch = static_cast<int>(s.batch);
+  p.heads = static_cast<int>(s.heads);
+  p.heads_kv = static_cast<int>(s.heads_kv);
+  p.len_q = static_cast<int>(s.len_q);
+  p.len_k = static_cast<int>(s.len_k);
+  p.head_dim = static_cast<int>(s.head_dim);
+  p.heads_per_kv = static_cast<int>(s.heads / s.heads_kv);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  return p;
+}
+
+cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_half_type(is_bf16, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    dispatch_head_dim(bucket, [&](auto head_dim_tag) {
+      constexpr int kHeadDim = decltype(head_dim_tag)::value;
+      if constexpr (kHeadDim <= kMaxFusedBwdHeadDim) {
+        dispatch_bool(causal, [&](auto causal_tag) {
+          constexpr bool kCausal = decltype(causal_tag)::value;
+          err = sm80::run_bwd_sm80<T, kHeadDim, kCausal>(params, stream);
+        });
+      }
+    });
+  });
+  return err;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                                        std::optional<double> scale,
+                                                        const std::optional<at::Tensor>& dlse, bool deterministic) {
+  const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
+  check_cuda_inputs("flashattn.bwd", {{"q", &q}, {"k", &k}, {"v", &v}, {"dout", &dout}, {"out", &out}}, s);
+  const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
+  const c10::cuda::CUDAGuard device_guard(q.device());
+
+  const int bucket = head_dim_bucket(s.head_dim);
+  // The fused kernel accumulates dQ with atomics (order-dependent): deterministic=True takes the chunked path.
+  const bool fused = fused_bwd_requested() && !deterministic && bucket <= kMaxFusedBwdHeadDim &&
+                     head_dim_bucket_built(bucket) && !s.empty() && s.len_k > 0;
+  if (!fused) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
+
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> dlse_rows =
+      dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
+  at::Tensor delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::zeros({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool is_bf16 = q.scalar_type() == at::kBFloat16;
+
+  BwdDeltaParams delta_params{};
+  delta_params.dout = dout.data_ptr();
+  delta_params.out = out.data_ptr();
+  delta_params.do_batch_stride = dout.stride(0), delta_params.do_head_stride = dout.stride(1);
+  delta_params.do_row_stride = dout.stride(2);
+  delta_params.o_batch_stride = out.stride(0), delta_params.o_head_stride = out.stride(1);
+  delta_params.o_row_stride = out.stride(2);
+  delta_params.dlse = dlse_rows.has_value() ? dlse_rows->data_ptr<float>() : nullptr;
+  delta_params.delta = delta.data_ptr<float>();
+  delta_params.batch = static_cast<int>(s.batch);
+  delta_params.heads = static_cast<int>(s.heads);
+  delta_params.len_q = static_cast<int>(s.len_q);
+  delta_params.head_dim = static_cast<int>(s.head_dim);
+  cudaError_t err = sm80::run_bwd_delta(delta_params, is_bf16, stream);
+  TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
+
+  const BwdParams params = make_bwd_params(dout, q, k, v, lse_rows, delta, dq_accum, dk, dv, s, softmax_scale);
+  err = launch_bwd(params, is_bf16, bucket, causal, stream);
+  TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  return {dq_accum.to(q.scalar_type()), dk, dv};
+}
+
 }  // namespace
 }  // namespace flashattn
 
-TORCH_LIBRARY_IMPL(flashattn, CUDA, m) { m.impl("fwd", &flashattn::fwd_cuda); }
+TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
+  m.impl("fwd", &flashattn::fwd_cuda);
+  m.impl("bwd", &flashattn::bwd_cuda);
+}

@@ -28,4 +28,41 @@ struct FwdParams {
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
 };
 
+// The fused backward (csrc/cuda/sm80/bwd_kernel.h). One CTA owns a block of keys of one kv head and walks the
+// query blocks of every query head of its group that can see them: dK and dV are complete in registers when it
+// ends (GQA sums included, no atomics); dQ is accumulated across CTAs with fp32 atomics into dq_accum.
+struct BwdParams {
+  const void* __restrict__ q;
+  const void* __restrict__ k;
+  const void* __restrict__ v;
+  const void* __restrict__ dout;
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+
+  const float* __restrict__ lse;    // (B, H, Lq) contiguous, natural log, -inf for rows without keys
+  const float* __restrict__ delta;  // (B, H, Lq) contiguous: rowsum(dO * O) - dlse
+  float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives scale * dS K
+
+  void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
+  void* __restrict__ dv;
+
+  int batch, heads, heads_kv, len_q, len_k, head_dim;
+  int heads_per_kv;
+  float scale;       // multiplies q·k
+  float scale_log2;  // scale * log2(e)
+};
+
+// rowsum(dO * O) - dlse for every query row (the backward's "D" vector).
+struct BwdDeltaParams {
+  const void* __restrict__ dout;
+  const void* __restrict__ out;
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  const float* __restrict__ dlse;  // (B, H, Lq) contiguous, or null
+  float* __restrict__ delta;       // (B, H, Lq) contiguous
+  int batch, heads, len_q, head_dim;
+};
+
 }  // namespace flashattn

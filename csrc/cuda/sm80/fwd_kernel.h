@@ -13,6 +13,7 @@
 
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"
+#include "cuda/sm80/tile_io.h"
 
 namespace flashattn::sm80 {
 
@@ -43,32 +44,6 @@ struct FwdTraits {
 
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "head-dim buckets are multiples of 32 up to 256");
 };
-
-// Copies rows [row0, row0 + kRows) of a (L, D) slice (row stride in elements) into a padded shared tile.
-// Rows >= num_rows and columns >= head_dim are zero-filled. Each thread owns one 16-byte column chunk and
-// walks down the rows, so its addresses are one base plus a fixed step (few registers held across the loop).
-template <typename T, typename Traits, int kRows>
-__device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t row_stride, int row0, int num_rows,
-                                                int head_dim) {
-  constexpr int kChunksPerRow = Traits::kHeadDim / 8;
-  constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;  // threads past the last full row idle
-  constexpr int kSteps = (kRows + kRowsPerStep - 1) / kRowsPerStep;
-  const int row = threadIdx.x / kChunksPerRow;
-  const int col = (threadIdx.x % kChunksPerRow) * 8;
-  if (row >= kRowsPerStep) return;
-  const bool col_valid = col < head_dim;
-  const T* src = gmem + static_cast<int64_t>(row0 + row) * row_stride + col;
-  T* dst = smem + row * Traits::kSmemStride + col;
-#pragma unroll
-  for (int step = 0; step < kSteps; ++step) {
-    const int r = row + step * kRowsPerStep;
-    if (kRows % kRowsPerStep == 0 || r < kRows) {
-      const bool valid = col_valid && row0 + r < num_rows;
-      cp_async_16(dst + step * kRowsPerStep * Traits::kSmemStride,
-                  valid ? src + static_cast<int64_t>(step * kRowsPerStep) * row_stride : gmem, valid);
-    }
-  }
-}
 
 // Writes a finished output row range; `rows` rows of the warp, staged in shared memory, 16 bytes per store.
 template <typename T, typename Traits>

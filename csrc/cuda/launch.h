@@ -1,0 +1,29 @@
+// Declarations of the kernel launchers. Each templated (dtype, head-dim bucket, causal) launcher is instantiated in
+// its own generated file under csrc/cuda/instantiations/ so that the build compiles them in parallel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "cuda/params.h"
+
+namespace flashattn {
+
+// Head-dim buckets: a head dim D runs in the smallest bucket >= D (columns past D are zero-filled).
+inline constexpr int kHeadDimBuckets[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+// The fused backward covers the buckets up to this one; larger head dims use the chunked backward.
+inline constexpr int kMaxFusedBwdHeadDim = 128;
+
+namespace sm80 {
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
+
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
+
+cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);
+}  // namespace sm80
+
+}  // namespace flashattn

@@ -1,0 +1,276 @@
+// Portable FlashAttention-2 backward (sm_80 and newer), head dims up to 128.
+//
+// One CTA owns kBlockN keys of one kv head (warp w: keys 16w..16w+15). It keeps K and V of those keys in shared
+// memory and dK, dV in registers, and walks every query block (of every query head of its GQA group) that can see
+// them. Per query block, with P recomputed from lse:
+//   S^T = K Q^T,  P^T = exp(S^T * scale - lse),  dP^T = V dO^T,  dS^T = P^T (dP^T - delta)
+//   dV += P^T dO,  dK += dS^T Q                         (each warp, its 16 keys, no synchronisation)
+//   dQ (this block's share) = dS K * scale              (dS^T staged in shared memory; fp32 atomics to dq_accum)
+// Working with S^T (keys as rows) makes P^T and dS^T the A operands of the dV/dK GEMMs straight from registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "cuda/params.h"
+#include "cuda/sm80/ptx.h"
+#include "cuda/sm80/tile_io.h"
+
+namespace flashattn::sm80 {
+
+template <int HeadDim>
+struct BwdTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockN = kNWarps * 16;  // keys per CTA
+  static constexpr int kBlockM = 64;            // queries per step (in the dQ GEMM: 16 per warp)
+  static constexpr int kSmemStride = HeadDim + 8;     // padded rows: conflict-free ldmatrix (see FwdTraits)
+  static constexpr int kSmemDsStride = kBlockM + 8;   // dS^T tile [kBlockN][kBlockM]
+  static constexpr int kSmemKV = kBlockN * kSmemStride;
+  static constexpr int kSmemQ = kBlockM * kSmemStride;
+  template <typename T>
+  static constexpr int smem_bytes() {
+    return (2 * kSmemKV + 2 * kSmemQ + kBlockN * kSmemDsStride) * static_cast<int>(sizeof(T)) +
+           2 * kBlockM * static_cast<int>(sizeof(float));
+  }
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 128, "the fused backward covers head-dim buckets up to 128");
+  static_assert(kBlockM == kNWarps * 16, "the dQ GEMM gives each warp 16 query rows");
+};
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStride = Traits::kSmemStride;
+  constexpr int kDsStride = Traits::kSmemDsStride;
+  constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of dK, dV, dQ
+  constexpr int kQTiles = kBlockM / 8;   // n8 tiles of S^T (query columns)
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* const sK = reinterpret_cast<T*>(smem_raw);
+  T* const sV = sK + Traits::kSmemKV;
+  T* const sQ = sV + Traits::kSmemKV;
+  T* const sdO = sQ + Traits::kSmemQ;
+  T* const sdS = sdO + Traits::kSmemQ;  // [kBlockN][kDsStride]: dS^T of the current query block
+  float* const s_lse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // lse * log2 e; +inf: P = 0
+  float* const s_delta = s_lse + kBlockM;
+
+  const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
+  const int n_block = blockIdx.x % num_n_blocks;
+  const int kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
+  const int batch = blockIdx.x / num_n_blocks / p.heads_kv;
+  const int n_start = n_block * kBlockN;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int causal_shift = p.len_k - p.len_q;  // query i sees keys j <= i + causal_shift
+
+  // Query blocks that see at least one of these keys: all, or under the causal mask those from the first query
+  // i with i + causal_shift >= n_start.
+  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const int m_block_first = kCausal ? max(0, n_start - causal_shift) / kBlockM : 0;
+
+  const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, n_start, p.len_k, p.head_dim);
+  load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, n_start, p.len_k, p.head_dim);
+  cp_async_commit();
+
+  float acc_dk[kDTiles][4];
+  float acc_dv[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_dk[dt][i] = acc_dv[dt][i] = 0.f;
+  }
+
+  const int key_row0 = warp * 16;    // this warp's keys inside the block (S^T, dK, dV)
+  const int query_row0 = warp * 16;  // this warp's queries inside the query block (dQ)
+  // ldmatrix lane addresses (see fwd_kernel.h): an A fragment from row-major rows, a B fragment from rows that
+  // are the n index (non-transposed), a B fragment from rows that are the k index (transposed).
+  const int a_offset = (lane % 16) * kStride + (lane / 16) * 8;
+  const int b_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
+  const int bt_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
+  // A fragment of dS (queries x keys) read transposed from the dS^T tile.
+  const int ds_a_offset = ((lane / 16) * 8 + lane % 8) * kDsStride + ((lane / 8) % 2) * 8;
+
+  for (int group_index = 0; group_index < p.heads_per_kv; ++group_index) {
+    const int head = kv_head * p.heads_per_kv + group_index;
+    const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
+    const T* do_base = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
+    const int64_t row_offset = (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
+    const float* lse = p.lse + row_offset;
+    const float* delta = p.delta + row_offset;
+    float* dq_accum = p.dq_accum + row_offset * p.head_dim;
+
+    for (int m_block = m_block_first; m_block < num_m_blocks; ++m_block) {
+      const int m_start = m_block * kBlockM;
+      __syncthreads();  // every warp is done with the previous block's sQ, sdO, sdS, s_lse, s_delta
+      load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, p.len_q, p.head_dim);
+      load_tile_async<T, Traits, kBlockM>(sdO, do_base, p.do_row_stride, m_start, p.len_q, p.head_dim);
+      cp_async_commit();
+      if (threadIdx.x < kBlockM) {
+        const int row = m_start + threadIdx.x;
+        const float row_lse = row < p.len_q ? lse[row] : -INFINITY;
+        // A row past the end or without any visible key contributes nothing: exp2(x - inf) = 0.
+        s_lse[threadIdx.x] = row_lse == -INFINITY ? INFINITY : row_lse * kLog2e;
+        s_delta[threadIdx.x] = row < p.len_q ? delta[row] : 0.f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the kBlockM queries.
+      float acc_s[kQTiles][4];
+      float acc_dp[kQTiles][4];
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; ++qt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[qt][i] = acc_dp[qt][i] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        uint32_t a_k[4], a_v[4];
+        ldmatrix_x4(a_k, sK + key_row0 * kStride + a_offset + kk * 16);
+        ldmatrix_x4(a_v, sV + key_row0 * kStride + a_offset + kk * 16);
+#pragma unroll
+        for (int mp = 0; mp < kBlockM / 16; ++mp) {
+          uint32_t b[4];
+          ldmatrix_x4(b, sQ + b_offset + mp * 16 * kStride + kk * 16);
+          mma_16816<T>(acc_s[2 * mp], a_k, b[0], b[1]);
+          mma_16816<T>(acc_s[2 * mp + 1], a_k, b[2], b[3]);
+          ldmatrix_x4(b, sdO + b_offset + mp * 16 * kStride + kk * 16);
+          mma_16816<T>(acc_dp[2 * mp], a_v, b[0], b[1]);
+          mma_16816<T>(acc_dp[2 * mp + 1], a_v, b[2], b[3]);
+        }
+      }
+
+      // P^T and dS^T, packed to T in the A-fragment layout. Element (qt, i): key key_row0 + lane/4 + 8 (i/2),
+      // query qt * 8 + 2 (lane % 4) + i % 2.
+      const bool needs_mask =
+          n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+      uint32_t p_frag[kQTiles][2];
+      uint32_t ds_frag[kQTiles][2];
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; ++qt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float pv[2], dsv[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 2 * half + c;
+            const int query = qt * 8 + 2 * (lane % 4) + c;  // inside the query block
+            float prob = fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
+            if (needs_mask) {
+              const int key = n_start + key_row0 + lane / 4 + 8 * half;
+              if (key >= p.len_k || (kCausal && key > m_start + query + causal_shift)) prob = 0.f;
+            }
+            pv[c] = prob;
+            dsv[c] = prob * (acc_dp[qt][i] - s_delta[query]);
+          }
+          p_frag[qt][half] = pack2<T>(pv[0], pv[1]);
+          ds_frag[qt][half] = pack2<T>(dsv[0], dsv[1]);
+          // Stage dS^T for the dQ GEMM.
+          *reinterpret_cast<uint32_t*>(sdS + (key_row0 + lane / 4 + 8 * half) * kDsStride + qt * 8 +
+                                       2 * (lane % 4)) = ds_frag[qt][half];
+        }
+      }
+
+      // dV += P^T dO and dK += dS^T Q (k index = queries; dO and Q read transposed).
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        const uint32_t a_p[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1], p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
+        const uint32_t a_ds[4] = {ds_frag[2 * kk][0], ds_frag[2 * kk][1], ds_frag[2 * kk + 1][0],
+                                  ds_frag[2 * kk + 1][1]};
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sdO + bt_offset + kk * 16 * kStride + dp * 16);
+          mma_16816<T>(acc_dv[2 * dp], a_p, b[0], b[1]);
+          mma_16816<T>(acc_dv[2 * dp + 1], a_p, b[2], b[3]);
+          ldmatrix_x4_trans(b, sQ + bt_offset + kk * 16 * kStride + dp * 16);
+          mma_16816<T>(acc_dk[2 * dp], a_ds, b[0], b[1]);
+          mma_16816<T>(acc_dk[2 * dp + 1], a_ds, b[2], b[3]);
+        }
+      }
+
+      __syncthreads();  // dS^T of every warp is in shared memory
+
+      // dQ rows query_row0..+15 of this block: dS (queries x keys) K, summed into dq_accum across key blocks.
+      float acc_dq[kDTiles][4];
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_dq[dt][i] = 0.f;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, sdS + ds_a_offset + kk * 16 * kDsStride + query_row0);
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, sK + bt_offset + kk * 16 * kStride + dp * 16);
+          mma_16816<T>(acc_dq[2 * dp], a, b[0], b[1]);
+          mma_16816<T>(acc_dq[2 * dp + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m_start + query_row0 + lane / 4 + 8 * half;
+        if (row < p.len_q) {
+          float* dq_row = dq_accum + static_cast<int64_t>(row) * p.head_dim;
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            const int col = dt * 8 + 2 * (lane % 4);
+            if (col < p.head_dim) {  // head_dim is a multiple of 8: both columns of the pair are in range
+              atomicAdd(dq_row + col, acc_dq[dt][2 * half] * p.scale);
+              atomicAdd(dq_row + col + 1, acc_dq[dt][2 * half + 1] * p.scale);
+            }
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // no query block at all: K/V copies may still be in flight
+
+  // dK = scale * dS^T Q; dV = P^T dO. This CTA is the only writer of its keys' rows.
+  T* dk_base = static_cast<T*>(p.dk) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
+  T* dv_base = static_cast<T*>(p.dv) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = n_start + key_row0 + lane / 4 + 8 * half;
+    if (key < p.len_k) {
+      const int64_t row = static_cast<int64_t>(key) * p.head_dim;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = dt * 8 + 2 * (lane % 4);
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(dk_base + row + col) =
+              pack2<T>(acc_dk[dt][2 * half] * p.scale, acc_dk[dt][2 * half + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(dv_base + row + col) = pack2<T>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Launches the fused backward on `stream` (dq_accum zeroed and delta computed beforehand); never synchronises.
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
+  using Traits = BwdTraits<HeadDim>;
+  auto kernel = flash_bwd_kernel<T, Traits, kCausal>;
+  constexpr int kSmemBytes = Traits::template smem_bytes<T>();
+  if constexpr (kSmemBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * params.batch));
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn::sm80
