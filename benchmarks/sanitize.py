@@ -1,0 +1,36 @@
+"""A few small forward and backward calls for compute-sanitizer (memcheck, racecheck): odd lengths, causal, GQA,
+Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
+
+Usage: compute-sanitizer --tool memcheck python benchmarks/sanitize.py
+"""
+import torch
+
+import flashattn_ext
+
+CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
+    (1, 2, 2, 7, 7, 64, True),
+    (2, 4, 2, 65, 97, 128, True),
+    (1, 4, 1, 129, 63, 40, False),
+    (1, 2, 2, 1, 257, 256, True),
+    (1, 2, 2, 200, 33, 96, True),  # rows without keys
+]
+
+
+def main():
+    calls = 0
+    for batch, heads, heads_kv, len_q, len_k, head_dim, causal in CASES:
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.randn(batch, heads, len_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            k = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            v = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal)
+            assert out.shape == q.shape and lse.shape == (batch, heads, len_q)
+            (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
+            assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+            calls += 2
+    torch.cuda.synchronize()
+    print(f"sanitize: {calls} forward/backward calls done")
+
+
+if __name__ == "__main__":
+    main()
