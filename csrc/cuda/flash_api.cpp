@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -31,17 +30,24 @@ int head_dim_bucket(int64_t head_dim) {
   return 0;
 }
 
-// CUDA-only rules, shared by fwd and bwd. `rows` are the (B, H, L, D) tensors the kernels read with cp.async.
-void check_cuda_inputs(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> rows,
+// cp.async moves 16-byte chunks: every row must start on a 16-byte boundary.
+bool rows_are_16b_aligned(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int dim = 0; dim < 3; ++dim) {
+    if (t.size(dim) > 1 && t.stride(dim) % 8 != 0) return false;
+  }
+  return true;
+}
+
+// CUDA-only rules for the q, k, v the kernels read, shared by fwd and bwd.
+void check_cuda_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const AttentionShape& s) {
-  const at::Tensor& q = *rows.begin()->second;
   TORCH_CHECK(q.is_cuda(), op, ": expected CUDA tensors, got q on ", q.device());
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
               ": CUDA supports float16 and bfloat16; cast q, k, v to one of them (got ", q.scalar_type(), ")");
   TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256, op,
               ": on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
-  // cp.async moves 16-byte chunks: every row must start on a 16-byte boundary.
-  for (const auto& [name, t] : rows) {
+  for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": ", name,
                 " must be 16-byte aligned (its data pointer is not; its storage offset is ", t->storage_offset(), ")");
     for (int dim = 0; dim < 3; ++dim) {
@@ -49,10 +55,12 @@ void check_cuda_inputs(const char* op, std::initializer_list<std::pair<const cha
                   ") must be a multiple of 8 elements (16 bytes), got ", t->stride(dim));
     }
   }
+  // Kernels index rows and blocks with 32-bit ints (offsets into memory are 64-bit); leave headroom for a block.
+  constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max() - 256;
   const int64_t num_blocks = (std::max(s.len_q, s.len_k) + 63) / 64 * s.heads * s.batch;
-  TORCH_CHECK(num_blocks <= std::numeric_limits<int32_t>::max() && s.len_q <= std::numeric_limits<int32_t>::max() &&
-                  s.len_k <= std::numeric_limits<int32_t>::max(),
-              op, ": B * H * ceil(L / 64), Lq and Lk must each be below 2^31");
+  TORCH_CHECK(s.len_q <= kMaxLen && s.len_k <= kMaxLen && num_blocks <= std::numeric_limits<int32_t>::max() &&
+                  (s.batch * s.heads * s.len_q + 7) / 8 <= std::numeric_limits<int32_t>::max(),
+              op, ": Lq and Lk must be below 2^31 - 256, and B * H * ceil(max(Lq, Lk) / 64) below 2^31");
 }
 
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -101,7 +109,7 @@ cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             bool causal, std::optional<double> scale) {
   const AttentionShape s = check_fwd_inputs(q, k, v);
-  check_cuda_inputs("flashattn.fwd", {{"q", &q}, {"k", &k}, {"v", &v}}, s);
+  check_cuda_inputs("flashattn.fwd", q, k, v, s);
   const double softmax_scale = resolve_scale(scale, s.head_dim);
   const int bucket = head_dim_bucket(s.head_dim);
   TORCH_CHECK(head_dim_bucket_built(bucket), "flashattn.fwd: head dim ", s.head_dim, " needs bucket ", bucket,
@@ -184,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
                                                         std::optional<double> scale,
                                                         const std::optional<at::Tensor>& dlse, bool deterministic) {
   const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
-  check_cuda_inputs("flashattn.bwd", {{"q", &q}, {"k", &k}, {"v", &v}, {"dout", &dout}, {"out", &out}}, s);
+  check_cuda_inputs("flashattn.bwd", q, k, v, s);
   const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
   const c10::cuda::CUDAGuard device_guard(q.device());
 
@@ -194,6 +202,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
                      head_dim_bucket_built(bucket) && !s.empty() && s.len_k > 0;
   if (!fused) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
 
+  // Gradients can arrive as arbitrary views (e.g. a narrow of a concatenation); the fused kernels need 16-byte rows.
+  const auto aligned = [](const at::Tensor& t) {
+    return rows_are_16b_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+  };
+  const at::Tensor dout_rows = aligned(dout);
+  const at::Tensor out_rows = aligned(out);
   const at::Tensor lse_rows = lse.contiguous();
   const std::optional<at::Tensor> dlse_rows =
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
@@ -205,12 +219,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
 
   BwdDeltaParams delta_params{};
-  delta_params.dout = dout.data_ptr();
-  delta_params.out = out.data_ptr();
-  delta_params.do_batch_stride = dout.stride(0), delta_params.do_head_stride = dout.stride(1);
-  delta_params.do_row_stride = dout.stride(2);
-  delta_params.o_batch_stride = out.stride(0), delta_params.o_head_stride = out.stride(1);
-  delta_params.o_row_stride = out.stride(2);
+  delta_params.dout = dout_rows.data_ptr();
+  delta_params.out = out_rows.data_ptr();
+  delta_params.do_batch_stride = dout_rows.stride(0), delta_params.do_head_stride = dout_rows.stride(1);
+  delta_params.do_row_stride = dout_rows.stride(2);
+  delta_params.o_batch_stride = out_rows.stride(0), delta_params.o_head_stride = out_rows.stride(1);
+  delta_params.o_row_stride = out_rows.stride(2);
   delta_params.dlse = dlse_rows.has_value() ? dlse_rows->data_ptr<float>() : nullptr;
   delta_params.delta = delta.data_ptr<float>();
   delta_params.batch = static_cast<int>(s.batch);
@@ -220,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   cudaError_t err = sm80::run_bwd_delta(delta_params, is_bf16, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
 
-  const BwdParams params = make_bwd_params(dout, q, k, v, lse_rows, delta, dq_accum, dk, dv, s, softmax_scale);
+  const BwdParams params = make_bwd_params(dout_rows, q, k, v, lse_rows, delta, dq_accum, dk, dv, s, softmax_scale);
   err = launch_bwd(params, is_bf16, bucket, causal, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {dq_accum.to(q.scalar_type()), dk, dv};
