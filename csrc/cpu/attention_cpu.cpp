@@ -1,9 +1,20 @@
-// CPU backend of flashattn.fwd: a tiled online-softmax forward (the FlashAttention algorithm, written for a CPU).
+// CPU backend of flashattn.fwd and flashattn.bwd: the FlashAttention algorithm, tiled for a CPU.
 //
-// Work is split over (batch, head, block of kBlockM query rows) with at::parallel_for. One work item loads its query
-// block once, then walks the key/value blocks of kBlockN keys, keeping per query row a running max m, a running sum l
-// of exp(score - m) and an unnormalised output accumulator. The full (Lq, Lk) score matrix never exists; the scratch
-// memory of a thread is O((kBlockM + 2 kBlockN) * D).
+// Forward (attend_query_block): work is split over (batch, head, block of kBlockM query rows) with at::parallel_for.
+// One work item loads its query block once, then walks the key/value blocks of kBlockN keys, keeping per query row a
+// running max m, a running sum l of exp(score - m) and an unnormalised output accumulator. The full (Lq, Lk) score
+// matrix never exists; the scratch memory of a thread is O((kBlockM + 2 kBlockN) * D).
+//
+// Backward (bwd_cpu_kernel): the probabilities are recomputed tile by tile from q, k and the saved lse, in three
+// passes, none of which writes where another work item writes (no atomics, no reductions across threads):
+//   1. row_stats:        delta_i = rowsum(dO * O)_i - dlse_i per query row (and lse in the accumulation type);
+//   2. key_block_grads:  per (batch, kv head, key block): dV and dK of those keys, summed over every query head of the
+//                        kv head's group and every query block that sees the keys;
+//   3. query_block_grads: per (batch, head, query block): dQ of those rows, over the key blocks they see.
+// Each tile recomputes S = scale * Q K^T and dP = dO V^T (passes 2 and 3 both do: 7 tile GEMMs instead of the 5 of a
+// fused kernel, the price of writing dQ without atomics). Every output element is produced by one work item, always
+// summing in the same order, so the backward is deterministic (bitwise-identical across runs and thread counts) by
+// construction: the `deterministic` flag of flashattn.bwd needs nothing extra here.
 //
 // All arithmetic is in at::opmath_type<scalar_t> (float for float/half/bfloat16, double for double); inputs are
 // converted while they are copied into the scratch tiles, so the hot loops run on contiguous opmath data and the
@@ -25,10 +36,17 @@
 namespace flashattn {
 namespace {
 
+// ==== shared by the forward and the backward ======================================================================
+
 // 32 query rows x 64 keys: the tiles of one work item (q, k^T, v, scores, accumulator) stay within ~200 KB at
 // D = 256, so they live in L2; 32 rows keep enough work items for the threads when Lq is short.
 constexpr int64_t kBlockM = 32;
 constexpr int64_t kBlockN = 64;
+
+void check_cpu_dtype(at::ScalarType dtype, const char* op) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": CPU supports float32, float64, float16 and bfloat16 (got ", dtype, ")");
+}
 
 // A (rows, D) view of one (batch, head) slice of a 4-D tensor: base pointer and the stride between rows.
 // The last dimension is contiguous (checked by check_fwd_inputs), so element (r, d) is at ptr[r * row_stride + d].
@@ -50,10 +68,53 @@ inline int64_t key_end(int64_t i, const AttentionShape& s, bool causal) {
   return causal ? std::min(s.len_k, i + s.len_k - s.len_q + 1) : s.len_k;
 }
 
+// The first query row that sees key j (key_end is non-decreasing in i, so every later row sees it too).
+inline int64_t first_query_seeing(int64_t j, const AttentionShape& s, bool causal) {
+  return causal ? std::max<int64_t>(0, j - (s.len_k - s.len_q)) : 0;
+}
+
+// tile[r][x] = mul * src.row(begin + r)[x] for `rows` rows: a (rows, D) opmath tile.
+template <typename scalar_t, typename acc_t>
+void load_rows(const RowMatrix<const scalar_t>& src, int64_t begin, int64_t rows, int64_t d, acc_t* tile,
+               acc_t mul = acc_t(1)) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = src.row(begin + r);
+    for (int64_t x = 0; x < d; ++x) tile[r * d + x] = static_cast<acc_t>(row[x]) * mul;
+  }
+}
+
+// tile[x][c] = src.row(begin + c)[x] for `cols` rows: a (D, kBlockN) transposed opmath tile, the right-hand side of
+// block_scores.
+template <typename scalar_t, typename acc_t>
+void load_rows_transposed(const RowMatrix<const scalar_t>& src, int64_t begin, int64_t cols, int64_t d, acc_t* tile) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const scalar_t* row = src.row(begin + c);
+    for (int64_t x = 0; x < d; ++x) tile[x * kBlockN + c] = static_cast<acc_t>(row[x]);
+  }
+}
+
+// scores[r][c] = a[r] . b_t[:, c] for `rows` rows of the (rows, D) tile a and `cols` columns of the (D, kBlockN)
+// tile b_t; scores has kBlockN columns. The forward's q K^T (q carries the scale) and the backward's dO V^T.
+template <typename acc_t>
+void block_scores(const acc_t* a, const acc_t* b_t, acc_t* scores, int64_t rows, int64_t cols, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* s_row = scores + r * kBlockN;
+    std::fill(s_row, s_row + cols, acc_t(0));
+    const acc_t* a_row = a + r * d;
+    for (int64_t x = 0; x < d; ++x) {
+      const acc_t ax = a_row[x];
+      const acc_t* b_col = b_t + x * kBlockN;
+      for (int64_t c = 0; c < cols; ++c) s_row[c] += ax * b_col[c];
+    }
+  }
+}
+
+// ==== forward =====================================================================================================
+
 // Per-thread scratch tiles, allocated once per parallel chunk and reused for all its work items.
 template <typename acc_t>
-struct Scratch {
-  explicit Scratch(int64_t d)
+struct FwdScratch {
+  explicit FwdScratch(int64_t d)
       : q(kBlockM * d), k_t(d * kBlockN), v(kBlockN * d), p(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM),
         l(kBlockM) {}
   std::vector<acc_t> q;    // (kBlockM, D) query rows, pre-multiplied by the scale
@@ -64,21 +125,6 @@ struct Scratch {
   std::vector<acc_t> m;    // running row max of the scores seen so far (-inf before any visible key)
   std::vector<acc_t> l;    // running row sum of exp(score - m)
 };
-
-// scores[r][c] = q[r] . k[c] for `rows` query rows and `cols` keys (q already carries the scale).
-template <typename acc_t>
-void block_scores(const acc_t* q, const acc_t* k_t, acc_t* scores, int64_t rows, int64_t cols, int64_t d) {
-  for (int64_t r = 0; r < rows; ++r) {
-    acc_t* s_row = scores + r * kBlockN;
-    std::fill(s_row, s_row + cols, acc_t(0));
-    const acc_t* q_row = q + r * d;
-    for (int64_t x = 0; x < d; ++x) {
-      const acc_t qx = q_row[x];
-      const acc_t* k_col = k_t + x * kBlockN;
-      for (int64_t c = 0; c < cols; ++c) s_row[c] += qx * k_col[c];
-    }
-  }
-}
 
 // One online-softmax step for one query row over `visible` keys of the current block (visible >= 1):
 // the row max grows to m_new, the old sum and accumulator are rescaled by exp(m_old - m_new), and the new
@@ -108,19 +154,15 @@ void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, 
 template <typename scalar_t>
 void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                         at::Tensor& lse, const AttentionShape& s, int64_t b, int64_t h, int64_t q_begin, int64_t q_end,
-                        bool causal, double scale, Scratch<at::opmath_type<scalar_t>>& tmp) {
+                        bool causal, double scale, FwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t d = s.head_dim;
   const int64_t rows = q_end - q_begin;
   const int64_t h_kv = h / (s.heads / s.heads_kv);
-  const auto q_mat = head_slice<const scalar_t>(q, b, h);
   const auto k_mat = head_slice<const scalar_t>(k, b, h_kv);
   const auto v_mat = head_slice<const scalar_t>(v, b, h_kv);
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* src = q_mat.row(q_begin + r);
-    for (int64_t x = 0; x < d; ++x) tmp.q[r * d + x] = static_cast<acc_t>(src[x]) * static_cast<acc_t>(scale);
-  }
+  load_rows(head_slice<const scalar_t>(q, b, h), q_begin, rows, d, tmp.q.data(), static_cast<acc_t>(scale));
   std::fill(tmp.acc.begin(), tmp.acc.begin() + rows * d, acc_t(0));
   std::fill(tmp.m.begin(), tmp.m.end(), -std::numeric_limits<acc_t>::infinity());
   std::fill(tmp.l.begin(), tmp.l.end(), acc_t(0));
@@ -129,14 +171,8 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t block_key_end = std::max<int64_t>(0, key_end(q_end - 1, s, causal));
   for (int64_t k_begin = 0; k_begin < block_key_end; k_begin += kBlockN) {
     const int64_t cols = std::min(kBlockN, block_key_end - k_begin);
-    for (int64_t c = 0; c < cols; ++c) {
-      const scalar_t* k_src = k_mat.row(k_begin + c);
-      const scalar_t* v_src = v_mat.row(k_begin + c);
-      for (int64_t x = 0; x < d; ++x) {
-        tmp.k_t[x * kBlockN + c] = static_cast<acc_t>(k_src[x]);
-        tmp.v[c * d + x] = static_cast<acc_t>(v_src[x]);
-      }
-    }
+    load_rows_transposed(k_mat, k_begin, cols, d, tmp.k_t.data());
+    load_rows(v_mat, k_begin, cols, d, tmp.v.data());
     block_scores(tmp.q.data(), tmp.k_t.data(), tmp.p.data(), rows, cols, d);
     for (int64_t r = 0; r < rows; ++r) {
       // Causal: only the first `visible` keys of this block are visible to the row (none on blocks right of it).
@@ -167,7 +203,7 @@ void fwd_cpu_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t work_items = s.batch * s.heads * q_blocks;
   // grain 1: a work item already costs kBlockM * Lk * D multiply-adds (or is a decode row of a long cache).
   at::parallel_for(0, work_items, 1, [&](int64_t begin, int64_t end) {
-    Scratch<at::opmath_type<scalar_t>> tmp(s.head_dim);
+    FwdScratch<at::opmath_type<scalar_t>> tmp(s.head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t q_block = item % q_blocks;
       const int64_t bh = item / q_blocks;
@@ -182,22 +218,264 @@ void fwd_cpu_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            bool causal, std::optional<double> scale) {
   const AttentionShape s = check_fwd_inputs(q, k, v);
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
-              "flashattn.fwd: CPU supports float32, float64, float16 and bfloat16 (got ", dtype, ")");
+  check_cpu_dtype(q.scalar_type(), "flashattn.fwd");
   const double softmax_scale = resolve_scale(scale, s.head_dim);
 
   at::Tensor out = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
   at::Tensor lse = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "flashattn_fwd_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_cpu", [&] {
     fwd_cpu_kernel<scalar_t>(q, k, v, out, lse, s, causal, softmax_scale);
   });
   return {out, lse};
 }
 
+// ==== backward ====================================================================================================
+//
+// With S = scale Q K^T, P = exp(S - lse) (0 where masked or lse = -inf), D_i = rowsum(dO * O)_i - dlse_i:
+//   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale dS K,   dK = scale dS^T Q.
+// (dlse enters through d lse_i / d S_ij = P_ij: it adds P * dlse to dS.) dK and dV of a kv head sum over the query
+// heads of its group. A row with lse = -inf (one that sees no key, as fwd returns it) has P = 0: it is skipped
+// outright, so whatever its dout or dlse holds never turns into 0 * inf = NaN.
+
+// Per-row inputs of the backward, (B, H, Lq) contiguous in the accumulation type (lse and dlse may have any strides).
+template <typename acc_t>
+struct RowStats {
+  std::vector<acc_t> lse;    // the saved logsumexp, -inf for a row that sees no key
+  std::vector<acc_t> delta;  // rowsum(dO * O) - dlse
+  int64_t heads, len_q;
+  const acc_t* lse_of(int64_t b, int64_t h) const { return lse.data() + (b * heads + h) * len_q; }
+  const acc_t* delta_of(int64_t b, int64_t h) const { return delta.data() + (b * heads + h) * len_q; }
+};
+
+template <typename scalar_t>
+RowStats<at::opmath_type<scalar_t>> row_stats(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                                              const std::optional<at::Tensor>& dlse, const AttentionShape& s) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows_total = s.batch * s.heads * s.len_q;
+  RowStats<acc_t> stats{std::vector<acc_t>(rows_total), std::vector<acc_t>(rows_total), s.heads, s.len_q};
+  // The start of the (Lq,) row of a (B, H, Lq) float tensor for (b, h); its elements are stride(2) apart.
+  const auto float_row = [](const at::Tensor& t, int64_t b, int64_t h) {
+    return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
+  };
+  at::parallel_for(0, s.batch * s.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / s.heads, h = bh % s.heads;
+      const auto do_mat = head_slice<const scalar_t>(dout, b, h);
+      const auto o_mat = head_slice<const scalar_t>(out, b, h);
+      const float* lse_row = float_row(lse, b, h);
+      const float* dlse_row = dlse.has_value() ? float_row(*dlse, b, h) : nullptr;
+      const int64_t lse_step = lse.stride(2), dlse_step = dlse.has_value() ? dlse->stride(2) : 0;
+      for (int64_t i = 0; i < s.len_q; ++i) {
+        const scalar_t* do_row = do_mat.row(i);
+        const scalar_t* o_row = o_mat.row(i);
+        acc_t dot = 0;
+        for (int64_t x = 0; x < s.head_dim; ++x) dot += static_cast<acc_t>(do_row[x]) * static_cast<acc_t>(o_row[x]);
+        stats.delta[bh * s.len_q + i] = dlse_row ? dot - static_cast<acc_t>(dlse_row[i * dlse_step]) : dot;
+        stats.lse[bh * s.len_q + i] = static_cast<acc_t>(lse_row[i * lse_step]);
+      }
+    }
+  });
+  return stats;
+}
+
+// Per-thread scratch tiles of the backward; each pass uses the ones it needs.
+template <typename acc_t>
+struct BwdScratch {
+  explicit BwdScratch(int64_t d)
+      : q(kBlockM * d), dout(kBlockM * d), k_t(d * kBlockN), v_t(d * kBlockN), k(kBlockN * d),
+        p(kBlockM * kBlockN), ds(kBlockM * kBlockN), visible(kBlockM), acc_a(std::max(kBlockM, kBlockN) * d),
+        acc_b(kBlockN * d) {}
+  std::vector<acc_t> q;          // (kBlockM, D) query rows, pre-multiplied by the scale (as in the forward)
+  std::vector<acc_t> dout;       // (kBlockM, D) their output gradients
+  std::vector<acc_t> k_t, v_t;   // (D, kBlockN) keys and values, transposed for block_scores
+  std::vector<acc_t> k;          // (kBlockN, D) keys as rows, for dQ += dS K (query pass only)
+  std::vector<acc_t> p;          // (kBlockM, kBlockN) scores, then probabilities P
+  std::vector<acc_t> ds;         // (kBlockM, kBlockN) dP = dO V^T, then dS
+  std::vector<int64_t> visible;  // per query row, how many leading keys of the key block it sees (0: none)
+  std::vector<acc_t> acc_a;      // key pass: (kBlockN, D) dK; query pass: (kBlockM, D) dQ / scale
+  std::vector<acc_t> acc_b;      // key pass: (kBlockN, D) dV
+};
+
+// The tile of one (query block, key block) pair, shared by both passes. Expects q, dout, k_t, v_t loaded; leaves P in
+// tmp.p, dS in tmp.ds and the visible key count of each row in tmp.visible (entries past it are not written).
+template <typename acc_t>
+void probs_and_score_grads(BwdScratch<acc_t>& tmp, const AttentionShape& s, bool causal, int64_t q_begin,
+                           int64_t rows, int64_t k_begin, int64_t cols, const acc_t* lse, const acc_t* delta) {
+  const int64_t d = s.head_dim;
+  block_scores(tmp.q.data(), tmp.k_t.data(), tmp.p.data(), rows, cols, d);      // S, bitwise as in the forward
+  block_scores(tmp.dout.data(), tmp.v_t.data(), tmp.ds.data(), rows, cols, d);  // dP
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t row_lse = lse[q_begin + r];
+    const int64_t seen = std::clamp<int64_t>(key_end(q_begin + r, s, causal) - k_begin, 0, cols);
+    const int64_t visible = row_lse == -std::numeric_limits<acc_t>::infinity() ? 0 : seen;
+    tmp.visible[r] = visible;
+    acc_t* p_row = tmp.p.data() + r * kBlockN;
+    acc_t* ds_row = tmp.ds.data() + r * kBlockN;
+    const acc_t row_delta = delta[q_begin + r];
+    for (int64_t c = 0; c < visible; ++c) {
+      p_row[c] = std::exp(p_row[c] - row_lse);
+      ds_row[c] = p_row[c] * (ds_row[c] - row_delta);
+    }
+  }
+}
+
+// dK and dV of keys [k_begin, k_begin + cols) of kv head h_kv: over the query heads of its group and every query
+// block that sees at least one of the keys (causal: the blocks above the first row that sees k_begin are skipped).
+template <typename scalar_t>
+void key_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     at::Tensor& dk, at::Tensor& dv, const RowStats<at::opmath_type<scalar_t>>& stats,
+                     const AttentionShape& s, int64_t b, int64_t h_kv, int64_t k_begin, int64_t cols, bool causal,
+                     double scale, BwdScratch<at::opmath_type<scalar_t>>& tmp) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t d = s.head_dim;
+  const int64_t group = s.heads / s.heads_kv;
+  load_rows_transposed(head_slice<const scalar_t>(k, b, h_kv), k_begin, cols, d, tmp.k_t.data());
+  load_rows_transposed(head_slice<const scalar_t>(v, b, h_kv), k_begin, cols, d, tmp.v_t.data());
+  acc_t* dk_acc = tmp.acc_a.data();
+  acc_t* dv_acc = tmp.acc_b.data();
+  std::fill(dk_acc, dk_acc + cols * d, acc_t(0));
+  std::fill(dv_acc, dv_acc + cols * d, acc_t(0));
+
+  const int64_t q_first = first_query_seeing(k_begin, s, causal) / kBlockM * kBlockM;
+  for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+    const auto q_mat = head_slice<const scalar_t>(q, b, h);
+    const auto do_mat = head_slice<const scalar_t>(dout, b, h);
+    for (int64_t q_begin = q_first; q_begin < s.len_q; q_begin += kBlockM) {
+      const int64_t rows = std::min(kBlockM, s.len_q - q_begin);
+      load_rows(q_mat, q_begin, rows, d, tmp.q.data(), static_cast<acc_t>(scale));
+      load_rows(do_mat, q_begin, rows, d, tmp.dout.data());
+      probs_and_score_grads(tmp, s, causal, q_begin, rows, k_begin, cols, stats.lse_of(b, h), stats.delta_of(b, h));
+      // dV += P^T dO and dK += dS^T (scale Q): row r adds to the keys it sees.
+      for (int64_t r = 0; r < rows; ++r) {
+        const acc_t* p_row = tmp.p.data() + r * kBlockN;
+        const acc_t* ds_row = tmp.ds.data() + r * kBlockN;
+        const acc_t* do_row = tmp.dout.data() + r * d;
+        const acc_t* q_row = tmp.q.data() + r * d;
+        for (int64_t c = 0; c < tmp.visible[r]; ++c) {
+          const acc_t p = p_row[c], ds = ds_row[c];
+          acc_t* dv_row = dv_acc + c * d;
+          acc_t* dk_row = dk_acc + c * d;
+          for (int64_t x = 0; x < d; ++x) {
+            dv_row[x] += p * do_row[x];
+            dk_row[x] += ds * q_row[x];
+          }
+        }
+      }
+    }
+  }
+
+  const auto dk_mat = head_slice<scalar_t>(dk, b, h_kv);
+  const auto dv_mat = head_slice<scalar_t>(dv, b, h_kv);
+  for (int64_t c = 0; c < cols; ++c) {
+    scalar_t* dk_dst = dk_mat.row(k_begin + c);
+    scalar_t* dv_dst = dv_mat.row(k_begin + c);
+    for (int64_t x = 0; x < d; ++x) {
+      dk_dst[x] = static_cast<scalar_t>(dk_acc[c * d + x]);
+      dv_dst[x] = static_cast<scalar_t>(dv_acc[c * d + x]);
+    }
+  }
+}
+
+// dQ of rows [q_begin, q_begin + rows) of query head h, over the key blocks they see.
+template <typename scalar_t>
+void query_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor& dq, const RowStats<at::opmath_type<scalar_t>>& stats, const AttentionShape& s,
+                       int64_t b, int64_t h, int64_t q_begin, int64_t rows, bool causal, double scale,
+                       BwdScratch<at::opmath_type<scalar_t>>& tmp) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t d = s.head_dim;
+  const int64_t h_kv = h / (s.heads / s.heads_kv);
+  const auto k_mat = head_slice<const scalar_t>(k, b, h_kv);
+  const auto v_mat = head_slice<const scalar_t>(v, b, h_kv);
+  load_rows(head_slice<const scalar_t>(q, b, h), q_begin, rows, d, tmp.q.data(), static_cast<acc_t>(scale));
+  load_rows(head_slice<const scalar_t>(dout, b, h), q_begin, rows, d, tmp.dout.data());
+  acc_t* dq_acc = tmp.acc_a.data();  // dS K; the scale is applied once at the end
+  std::fill(dq_acc, dq_acc + rows * d, acc_t(0));
+
+  const int64_t block_key_end = std::max<int64_t>(0, key_end(q_begin + rows - 1, s, causal));
+  for (int64_t k_begin = 0; k_begin < block_key_end; k_begin += kBlockN) {
+    const int64_t cols = std::min(kBlockN, block_key_end - k_begin);
+    load_rows_transposed(k_mat, k_begin, cols, d, tmp.k_t.data());
+    load_rows_transposed(v_mat, k_begin, cols, d, tmp.v_t.data());
+    load_rows(k_mat, k_begin, cols, d, tmp.k.data());
+    probs_and_score_grads(tmp, s, causal, q_begin, rows, k_begin, cols, stats.lse_of(b, h), stats.delta_of(b, h));
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t* ds_row = tmp.ds.data() + r * kBlockN;
+      acc_t* dq_row = dq_acc + r * d;
+      for (int64_t c = 0; c < tmp.visible[r]; ++c) {
+        const acc_t ds = ds_row[c];
+        const acc_t* k_row = tmp.k.data() + c * d;
+        for (int64_t x = 0; x < d; ++x) dq_row[x] += ds * k_row[x];
+      }
+    }
+  }
+
+  const auto dq_mat = head_slice<scalar_t>(dq, b, h);
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* dst = dq_mat.row(q_begin + r);
+    for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(dq_acc[r * d + x] * static_cast<acc_t>(scale));
+  }
+}
+
+template <typename scalar_t>
+void bwd_cpu_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const AttentionShape& s, bool causal,
+                    double scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const RowStats<acc_t> stats = row_stats<scalar_t>(dout, out, lse, dlse, s);
+
+  // grain 1 in both passes: a work item costs at least kBlockN (or kBlockM) * D multiply-adds per visible row/key.
+  const int64_t k_blocks = (s.len_k + kBlockN - 1) / kBlockN;
+  at::parallel_for(0, s.batch * s.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
+    BwdScratch<acc_t> tmp(s.head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t k_begin = item % k_blocks * kBlockN;
+      const int64_t bh = item / k_blocks;
+      key_block_grads<scalar_t>(dout, q, k, v, dk, dv, stats, s, bh / s.heads_kv, bh % s.heads_kv, k_begin,
+                                std::min(kBlockN, s.len_k - k_begin), causal, scale, tmp);
+    }
+  });
+
+  const int64_t q_blocks = (s.len_q + kBlockM - 1) / kBlockM;
+  at::parallel_for(0, s.batch * s.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    BwdScratch<acc_t> tmp(s.head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t q_begin = item % q_blocks * kBlockM;
+      const int64_t bh = item / q_blocks;
+      query_block_grads<scalar_t>(dout, q, k, v, dq, stats, s, bh / s.heads, bh % s.heads, q_begin,
+                                  std::min(kBlockM, s.len_q - q_begin), causal, scale, tmp);
+    }
+  });
+}
+
+// `deterministic` is accepted and needs nothing: the CPU backward is deterministic by construction (see the top).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q,
+                                                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                                       const at::Tensor& lse, bool causal, std::optional<double> scale,
+                                                       const std::optional<at::Tensor>& dlse, bool /*deterministic*/) {
+  const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
+  check_cpu_dtype(q.scalar_type(), "flashattn.bwd");
+  const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
+
+  if (s.empty() || s.len_k == 0) {  // nothing attends to anything: every gradient is zero
+    return {at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()), at::zeros(v.sizes(), v.options())};
+  }
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_bwd_cpu", [&] {
+    bwd_cpu_kernel<scalar_t>(dout, q, k, v, out, lse, dlse, dq, dk, dv, s, causal, softmax_scale);
+  });
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace flashattn
 
-TORCH_LIBRARY_IMPL(flashattn, CPU, m) { m.impl("fwd", &flashattn::fwd_cpu); }
+TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
+  m.impl("fwd", &flashattn::fwd_cpu);
+  m.impl("bwd", &flashattn::bwd_cpu);
+}
