@@ -107,14 +107,18 @@ def assert_output_properties(out: Tensor, lse: Tensor, q: Tensor) -> None:
     assert not torch.isnan(lse).any() and not (lse == float("inf")).any(), "lse has NaN or +inf"
 
 
-def assert_error_within(out: Tensor, ref: Tensor, low_precision: list[Tensor], rows: Tensor, what: str) -> None:
-    """FlashAttention's rule on the rows `rows`: err(out) <= ERROR_FACTOR * max err(low_precision) + floor."""
+def assert_error_within(
+    out: Tensor, ref: Tensor, low_precision: list[Tensor], rows: Optional[Tensor], what: str, floor: Optional[float] = None
+) -> None:
+    """FlashAttention's rule on the rows `rows`: err(out) <= ERROR_FACTOR * max err(low_precision) + floor
+    (floor: OUT_FLOOR of out's dtype unless given)."""
+    floor = OUT_FLOOR[out.dtype] if floor is None else floor
     baseline = max((max_abs_error(x, ref, rows) for x in low_precision), default=0.0)
     err = max_abs_error(out, ref, rows)
-    tol = ERROR_FACTOR * baseline + OUT_FLOOR[out.dtype]
+    tol = ERROR_FACTOR * baseline + floor
     assert err <= tol, (
         f"{what}: max abs error {err:.3e} > {ERROR_FACTOR} x PyTorch low-precision error {baseline:.3e} "
-        f"+ floor {OUT_FLOOR[out.dtype]:.0e}"
+        f"+ floor {floor:.1e}"
     )
 
 
@@ -157,6 +161,82 @@ def assert_attention_close(
     torch.testing.assert_close(
         lse[:, :, keyed], ref_lse[:, :, keyed].float(), rtol=tol, atol=tol, msg=lambda msg: f"lse vs reference: {msg}"
     )
+
+
+# ---- gradients ----------------------------------------------------------------------------------------------------
+
+# Gradients are not O(1) like out (dV sums over query rows, dQ/dK carry the scale), so their floor is relative:
+# GRAD_FLOOR * max(1, max |reference gradient|). float64 gets a float32-sized floor on purpose: the saved lse is
+# float32 by the op contract, so P = exp(S - lse) in the backward carries lse's rounding (~|lse| * 6e-8 relative)
+# whatever the input dtype; PyTorch's float64 autograd has no such error and cannot serve as the baseline there.
+GRAD_FLOOR = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+
+
+def attention_grads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Optional[Tensor],
+    dlse: Optional[Tensor] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    upcast: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) by autograd through attention_ref (same upcast rule), for the gradients dout of out and dlse of
+    lse (either may be None: not used downstream). Gradients come back in the dtype the path computed in."""
+    if upcast:
+        acc = reference_dtype(q.dtype)
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = attention_ref(q, k, v, causal, scale, upcast=False)
+    outputs, grads = [], []
+    if dout is not None:
+        outputs.append(out)
+        grads.append(dout.to(out.dtype))
+    if dlse is not None:
+        outputs.append(lse)
+        grads.append(dlse.to(lse.dtype))
+    return torch.autograd.grad(outputs, (q, k, v), grads, allow_unused=True, materialize_grads=True)
+
+
+def assert_grad_properties(grads: tuple[Tensor, Tensor, Tensor], q: Tensor, k: Tensor, v: Tensor) -> None:
+    """dq, dk, dv: the shapes, dtype and device of q, k, v; contiguous; finite."""
+    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype and grad.device == like.device, name
+        assert grad.is_contiguous(), f"{name} must be allocated contiguous"
+        assert torch.isfinite(grad).all(), f"{name} has NaN or inf"
+
+
+def assert_grads_close(
+    grads: tuple[Tensor, Tensor, Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Optional[Tensor],
+    dlse: Optional[Tensor] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+) -> None:
+    """Check (dq, dk, dv) of flashattn for the output gradients (dout, dlse) against the references.
+
+    Each gradient vs autograd through the naive reference on inputs upcast to truth_dtype, within ERROR_FACTOR x
+    the error of autograd through the naive path in the input dtype + GRAD_FLOOR (relative, see above). dq of the
+    rows that see no key must be exactly 0.
+    """
+    assert_grad_properties(grads, q, k, v)
+    len_q, len_k = q.shape[2], k.shape[2]
+    keyed = rows_with_keys(len_q, len_k, causal, q.device)
+    assert (grads[0][:, :, ~keyed] == 0).all(), "dq of rows without keys must be exactly 0"
+    if q.numel() == 0 or k.numel() == 0:
+        return
+
+    hi = truth_dtype(q.dtype)
+    up = lambda t: None if t is None else t.to(hi)  # noqa: E731
+    truth = attention_grads(up(q), up(k), up(v), up(dout), up(dlse), causal, scale)
+    low_precision = attention_grads(q, k, v, dout, dlse, causal, scale, upcast=False)
+    for name, grad, ref, low in zip(("dq", "dk", "dv"), grads, truth, low_precision):
+        floor = GRAD_FLOOR[grad.dtype] * max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
+        assert_error_within(grad, ref, [low], None, f"{name} vs naive reference", floor=floor)
 
 
 def make_qkv(

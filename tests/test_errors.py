@@ -119,3 +119,85 @@ def test_mixed_devices(cpu_tensor):
     tensors[cpu_tensor] = tensors[cpu_tensor].cpu()
     with raises("same device"):
         fwd(tensors["q"], tensors["k"], tensors["v"])
+
+
+# ---- flashattn.bwd: its extra arguments must match what fwd produced (check_bwd_inputs) ------------------------
+
+bwd = torch.ops.flashattn.bwd
+
+
+def bwd_args(device):
+    """Valid (dout, q, k, v, out, lse) for flashattn.bwd."""
+    q, k, v = qkv(device)
+    out, lse = fwd(q, k, v)
+    return dict(dout=torch.randn_like(out), q=q, k=k, v=v, out=out, lse=lse)
+
+
+def call_bwd(args, **kwargs):
+    return bwd(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **kwargs)
+
+
+@pytest.mark.parametrize("which", ["dout", "out"])
+def test_bwd_shape_mismatch(device, which):
+    args = bwd_args(device)
+    args[which] = args[which][:, :, :-1]
+    with raises(f"flashattn.bwd: {which} must have q's shape"):
+        call_bwd(args)
+
+
+@pytest.mark.parametrize("which", ["dout", "out"])
+def test_bwd_dtype_mismatch(device, which):
+    args = bwd_args(device)
+    args[which] = args[which].to(torch.float64 if device == "cpu" else torch.bfloat16)
+    with raises(f"flashattn.bwd: {which} must have q's dtype"):
+        call_bwd(args)
+
+
+def test_bwd_lse_not_float32(device):
+    args = bwd_args(device)
+    args["lse"] = args["lse"].to(torch.float64)
+    with raises("flashattn.bwd: lse must be float32"):
+        call_bwd(args)
+
+
+def test_bwd_lse_shape_mismatch(device):
+    args = bwd_args(device)
+    args["lse"] = args["lse"][:, :2]
+    with raises("flashattn.bwd: lse must have shape (B, H, Lq)"):
+        call_bwd(args)
+
+
+def test_bwd_dlse_mismatch(device):
+    args = bwd_args(device)
+    with raises("flashattn.bwd: dlse must have shape (B, H, Lq)"):
+        call_bwd(args, dlse=torch.zeros_like(args["lse"])[..., :-1])
+    with raises("flashattn.bwd: dlse must be float32"):
+        call_bwd(args, dlse=torch.zeros_like(args["lse"], dtype=torch.float16))
+
+
+def test_bwd_dout_last_dim_not_contiguous(device):
+    args = bwd_args(device)
+    args["dout"] = args["dout"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    with raises("flashattn.bwd: dout must have stride(-1) == 1"):
+        call_bwd(args)
+
+
+def test_bwd_checks_q_k_v_like_fwd(device):
+    args = bwd_args(device)
+    args["k"] = args["k"][:, :, :-1]
+    with raises("flashattn.bwd: k and v must have the same length Lk"):
+        call_bwd(args)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan")])
+def test_bwd_non_finite_scale(device, scale):
+    with raises("flashattn.bwd: scale must be finite"):
+        call_bwd(bwd_args(device), scale=scale)
+
+
+@pytest.mark.cuda
+def test_bwd_mixed_devices():
+    args = bwd_args("cuda")
+    args["lse"] = args["lse"].cpu()
+    with raises("flashattn.bwd: lse must be on q's device"):
+        call_bwd(args)

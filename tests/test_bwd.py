@@ -1,0 +1,418 @@
+"""Gradients of flashattn (flashattn.bwd through the autograd registration) against autograd through the naive
+reference, with the forward's accuracy rule (reference.py: assert_grads_close), plus gradcheck in float64."""
+import pytest
+import torch
+
+import flashattn_ext
+from reference import (
+    GRAD_FLOOR,
+    assert_error_within,
+    assert_grad_properties,
+    assert_grads_close,
+    attention_grads,
+    make_qkv,
+    reference_dtype,
+    repeat_kv,
+    rows_with_keys,
+    visible_mask,
+)
+from test_fwd import CUDA_HEAD_DIMS, HEAD_DIMS, LENGTH_PAIRS
+
+fwd = torch.ops.flashattn.fwd
+bwd = torch.ops.flashattn.bwd
+
+
+def leaves(*tensors):
+    """Fresh autograd leaves with the same values and strides (so the op sees strided views as they are)."""
+    return tuple(t.detach().requires_grad_() for t in tensors)
+
+
+def flash_grads(q, k, v, causal=False, scale=None, with_lse=False):
+    """(dq, dk, dv) of flash_attn for a random dout, or of flash_attn_with_lse for a random (dout, dlse).
+
+    torch.autograd.grad returns the op's own gradient tensors (.grad of a strided leaf could be a re-laid-out copy).
+    Returns (grads, dout, dlse); dlse is None without with_lse (then None reaches flashattn.bwd).
+    """
+    q, k, v = leaves(q, k, v)
+    if with_lse:
+        out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal, scale)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    else:
+        out = flashattn_ext.flash_attn(q, k, v, causal, scale)
+        dout, dlse = torch.randn_like(out), None
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    return grads, dout, dlse
+
+
+def run_and_check(q, k, v, causal=False, scale=None, with_lse=False):
+    grads, dout, dlse = flash_grads(q, k, v, causal, scale, with_lse)
+    assert_grads_close(grads, q, k, v, dout, dlse, causal, scale)
+    return grads
+
+
+def op_inputs(q, k, v, causal=False, scale=None):
+    """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd, random grads."""
+    out, lse = fwd(q, k, v, causal, scale)
+    return torch.randn_like(out), out, lse, torch.randn_like(lse)
+
+
+# ---- gradcheck (float64, CPU): finite differences of our forward against our backward ----------------------------
+
+GRADCHECK_CASES = {
+    # id: (B, H, Hk, Lq, Lk, D, causal, scale, layout)
+    "basic": (1, 2, 2, 6, 9, 4, False, None, "contiguous"),
+    "causal": (2, 1, 1, 6, 9, 4, True, None, "contiguous"),
+    "multi-block-causal": (1, 1, 1, 40, 70, 3, True, None, "contiguous"),  # crosses the 32-row and 64-key tiles
+    "lq-gt-lk-causal": (1, 2, 2, 9, 4, 4, True, None, "contiguous"),  # rows 0..4 see no key
+    "lq-gt-lk": (1, 2, 2, 9, 4, 4, False, None, "contiguous"),
+    "gqa": (1, 4, 2, 5, 8, 4, True, None, "contiguous"),
+    "mqa": (2, 4, 1, 5, 8, 4, False, None, "contiguous"),
+    "scale": (1, 2, 2, 5, 8, 4, False, 0.7, "contiguous"),
+    "negative-scale": (1, 2, 2, 5, 8, 4, True, -0.6, "contiguous"),
+    "seq-major": (1, 2, 2, 6, 9, 4, True, None, "seq_major"),
+    "padded-rows": (1, 2, 1, 6, 9, 4, False, None, "padded_rows"),
+    "d5": (1, 2, 2, 7, 7, 5, True, None, "contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK_CASES))
+def test_gradcheck(case):
+    batch, heads, heads_kv, len_q, len_k, head_dim, causal, scale, layout = GRADCHECK_CASES[case]
+    q, k, v = leaves(*make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, torch.float64, "cpu", layout))
+    assert torch.autograd.gradcheck(lambda q, k, v: flashattn_ext.flash_attn(q, k, v, causal, scale), (q, k, v))
+
+
+@pytest.mark.parametrize("case", ["basic", "multi-block-causal", "lq-gt-lk-causal", "gqa", "negative-scale"])
+def test_gradcheck_with_lse(case):
+    # Both outputs feed the result, so the lse gradient (dlse) is checked too. lse is float32 even for float64
+    # inputs: its rounding (~5e-7) over a central difference of 2 * eps needs eps = 1e-3 and atol = 2e-3.
+    batch, heads, heads_kv, len_q, len_k, head_dim, causal, scale, layout = GRADCHECK_CASES[case]
+    q, k, v = leaves(*make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, torch.float64, "cpu", layout))
+
+    def fn(q, k, v):
+        out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal, scale)
+        # Rows without keys have lse = -inf, whose finite differences are NaN: give them a constant instead.
+        return out, torch.where(torch.isfinite(lse), lse, 0.0).double()
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=2e-3, rtol=1e-3)
+
+
+# ---- gradients against the reference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("len_q,len_k", LENGTH_PAIRS, ids=[f"q{a}-k{b}" for a, b in LENGTH_PAIRS])
+def test_seq_lengths(device, dtype, causal, len_q, len_k):
+    q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, dtype, device)
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_head_dims(device, dtype, causal, head_dim):
+    if device == "cuda" and head_dim % 8:
+        pytest.skip("CUDA needs head dim % 8 == 0")
+    q, k, v = make_qkv(1, 2, 2, 97, 129, head_dim, dtype, device)
+    run_and_check(q, k, v, causal, with_lse=True)
+    q, k, v = make_qkv(1, 2, 2, 129, 97, head_dim, dtype, device)
+    run_and_check(q, k, v, causal, with_lse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads_kv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("len_q,len_k", [(65, 65), (1, 97), (97, 63)], ids=["q65-k65", "q1-k97", "q97-k63"])
+def test_grouped_kv_heads(device, dtype, causal, heads_kv, len_q, len_k):
+    q, k, v = make_qkv(2, 4, heads_kv, len_q, len_k, 64, dtype, device)
+    run_and_check(q, k, v, causal, with_lse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale", [0.25, 2.0, -0.5])
+def test_custom_scale(device, dtype, causal, scale):
+    q, k, v = make_qkv(1, 2, 2, 65, 97, 64, dtype, device)
+    run_and_check(q, k, v, causal, scale, with_lse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["packed_qkv", "seq_major", "padded_rows"])
+def test_strided_inputs(device, dtype, causal, layout):
+    len_k = 97 if layout == "packed_qkv" else 130
+    q, k, v = make_qkv(2, 3, 3, 97, len_k, 64, dtype, device, layout=layout)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    grads, dout, _ = flash_grads(q, k, v, causal)
+    assert_grads_close(grads, q, k, v, dout, None, causal)
+    # Same numbers as with contiguous copies (the kernels index with the strides they are given).
+    q_c, k_c, v_c = leaves(q.contiguous(), k.contiguous(), v.contiguous())
+    expected = torch.autograd.grad(flashattn_ext.flash_attn(q_c, k_c, v_c, causal), (q_c, k_c, v_c), dout)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else {}
+    for grad, want in zip(grads, expected):
+        torch.testing.assert_close(grad, want, **exact)
+
+
+def test_strided_op_arguments(device, dtype):
+    # flashattn.bwd called directly with dout, out, lse and dlse all strided views: read as given (dlse too).
+    q, k, v = make_qkv(2, 4, 2, 70, 90, 64, dtype, device, layout="seq_major")
+    dout, out, lse, dlse = op_inputs(q, k, v, True)
+    strided = {
+        "dout": dout.transpose(1, 2).contiguous().transpose(1, 2),
+        "out": out.transpose(1, 2).contiguous().transpose(1, 2),
+        "lse": lse.transpose(1, 2).contiguous().transpose(1, 2),
+        "dlse": torch.stack([dlse, torch.zeros_like(dlse)], dim=-1)[..., 0],  # stride(-1) == 2
+    }
+    assert not any(t.is_contiguous() for t in strided.values())
+    got = bwd(strided["dout"], q, k, v, strided["out"], strided["lse"], True, None, strided["dlse"])
+    expected = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    assert_grad_properties(got, q, k, v)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else {}
+    for grad, want in zip(got, expected):
+        torch.testing.assert_close(grad, want, **exact)
+
+
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_sequence(device, dtype, causal):
+    batch, heads = (1, 1) if device == "cpu" else (2, 4)
+    q, k, v = make_qkv(batch, heads, heads, 2049, 2049, 64, dtype, device)
+    run_and_check(q, k, v, causal, with_lse=True)
+
+
+@pytest.mark.parametrize("len_q,len_k", [(129, 65), (40, 1)], ids=["q129-k65", "q40-k1"])
+def test_rows_without_keys(device, dtype, len_q, len_k):
+    # Causal with Lq > Lk: rows i < Lq - Lk see no key. Their dq is exactly 0, and whatever gradient arrives for
+    # them (even an infinite dlse) must not reach dk/dv or turn into NaN.
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, 64, dtype, device)
+    grads = run_and_check(q, k, v, causal=True, with_lse=True)
+    blind = len_q - len_k
+    assert (grads[0][:, :, :blind] == 0).all() and (grads[0][:, :, blind:].abs().sum(-1) > 0).all()
+
+    dout, out, lse, dlse = op_inputs(q, k, v, True)
+    clean = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    dout[:, :, :blind] = 1e4 * torch.randn_like(dout[:, :, :blind])
+    dlse[:, :, :blind] = float("inf")
+    dirty = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    assert_grad_properties(dirty, q, k, v)
+    for grad, want in zip(dirty, clean):
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
+def test_minus_inf_lse_rows_contribute_nothing(device, dtype):
+    # The op's contract: P = exp(S - lse) is 0 on a row whose lse is -inf, even if the row sees keys (a caller may
+    # pass such an lse directly). Those rows get dq = 0, and dk/dv equal the gradients without them.
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 64, dtype, device)
+    dout, out, lse, dlse = op_inputs(q, k, v)
+    dropped = torch.zeros(70, dtype=torch.bool, device=device)
+    dropped[[0, 31, 32, 50]] = True
+    lse = lse.clone()
+    lse[:, :, dropped] = float("-inf")
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, False, None, dlse)
+    assert_grad_properties((dq, dk, dv), q, k, v)
+    assert (dq[:, :, dropped] == 0).all()
+    kept = ~dropped
+    dq_kept, dk_kept, dv_kept = bwd(
+        dout[:, :, kept], q[:, :, kept], k, v, out[:, :, kept], lse[:, :, kept], False, None, dlse[:, :, kept]
+    )
+    for grad, want in zip((dq[:, :, kept], dk, dv), (dq_kept, dk_kept, dv_kept)):
+        torch.testing.assert_close(grad, want)
+
+
+def test_expanded_dout(device, dtype):
+    # out.sum().backward() hands the backward a dout of stride 0 everywhere (an expanded scalar).
+    q, k, v = leaves(*make_qkv(1, 4, 2, 33, 70, 64, dtype, device))
+    flashattn_ext.flash_attn(q, k, v, causal=True).sum().backward()
+    grads = (q.grad, k.grad, v.grad)
+    assert_grads_close(grads, q, k, v, torch.ones(q.shape, dtype=dtype, device=device), None, causal=True)
+    q2, k2, v2 = leaves(q, k, v)
+    out = flashattn_ext.flash_attn(q2, k2, v2, causal=True)
+    expected = torch.autograd.grad(out, (q2, k2, v2), torch.ones_like(out))
+    for grad, want in zip(grads, expected):
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_only_lse_used(device, dtype, causal):
+    # out is unused: autograd passes no dout, the backward runs with dout = 0 and the lse gradient alone.
+    q, k, v = leaves(*make_qkv(1, 2, 2, 65, 97, 64, dtype, device))
+    _, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal)
+    dlse = torch.randn_like(lse)
+    grads = torch.autograd.grad(lse, (q, k, v), dlse)
+    assert_grads_close(grads, q, k, v, None, dlse, causal)
+    assert (grads[2] == 0).all(), "lse does not depend on v: dv must be 0"
+
+
+def test_needs_input_grad(device, dtype):
+    q, k, v = make_qkv(1, 2, 2, 17, 33, 64, dtype, device)
+    k = k.detach().requires_grad_()
+    flashattn_ext.flash_attn(q, k, v).sum().backward()
+    assert q.grad is None and v.grad is None and k.grad is not None and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize(
+    "batch,heads,len_q,len_k",
+    [(0, 2, 16, 24), (2, 0, 16, 24), (2, 2, 0, 24), (2, 2, 16, 0)],
+    ids=["batch0", "heads0", "len_q0", "len_k0"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_empty_inputs(device, dtype, batch, heads, len_q, len_k, causal):
+    q, k, v = make_qkv(batch, heads, heads, len_q, len_k, 64, dtype, device)
+    dout, out, lse, dlse = op_inputs(q, k, v, causal)
+    grads = bwd(dout, q, k, v, out, lse, causal, None, dlse)
+    assert_grad_properties(grads, q, k, v)
+    assert all((g == 0).all() for g in grads)
+    # Through autograd as well (Lk == 0: out = 0 and lse = -inf, every gradient 0).
+    q, k, v = leaves(q, k, v)
+    out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (torch.ones_like(out), torch.ones_like(lse)))
+    assert_grad_properties(grads, q, k, v)
+    assert all((g == 0).all() for g in grads)
+
+
+def test_direct_op_matches_autograd(device, dtype):
+    # The dispatcher op with explicit defaults gives what autograd gives (both gradients, dlse included).
+    q, k, v = make_qkv(2, 4, 2, 45, 77, 64, dtype, device)
+    grads, dout, dlse = flash_grads(q, k, v, causal=True, with_lse=True)
+    out, lse = fwd(q, k, v, True)
+    direct = bwd(dout, q, k, v, out, lse, causal=True, scale=None, dlse=dlse, deterministic=False)
+    for grad, want in zip(direct, grads):
+        torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
+# ---- determinism, double backward ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def deterministic_algorithms(monkeypatch):
+    """torch.use_deterministic_algorithms(True) for one test (cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.mark.dtypes(cpu=[torch.float32, torch.bfloat16], cuda=[torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads_kv", [4, 1], ids=["mha", "mqa"])  # MQA: many query heads add into one dk/dv
+def test_deterministic(device, dtype, heads_kv, deterministic_algorithms):
+    q, k, v = leaves(*make_qkv(2, 4, heads_kv, 300, 300, 64, dtype, device))
+    out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    first = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True)
+    second = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "two backward runs differ"
+
+
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[])
+def test_cpu_deterministic_across_thread_counts(device, dtype):
+    # No atomics and a fixed summation order per output element: the thread count does not change a bit.
+    q, k, v = make_qkv(1, 4, 2, 200, 300, 64, dtype, device)
+    dout, out, lse, dlse = op_inputs(q, k, v, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    finally:
+        torch.set_num_threads(threads)
+    multi = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    for a, b in zip(single, multi):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_raises(device):
+    dtype = torch.float64 if device == "cpu" else torch.float16
+    q, k, v = leaves(*make_qkv(1, 2, 2, 8, 8, 32, dtype, device))
+    out = flashattn_ext.flash_attn(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        (dq.sum() + dk.sum() + dv.sum()).backward()
+
+
+# ---- the accuracy rule must be able to fail --------------------------------------------------------------------
+
+
+def buggy_grads(q, k, v, dout, dlse, causal, scale, bug):
+    """float32 autograd gradients of attention with one deliberate bug, cast to the input dtype."""
+    f = lambda t: t.float()  # noqa: E731
+    if bug == "scale":  # 10% off
+        return tuple(g.to(q.dtype) for g in attention_grads(f(q), f(k), f(v), f(dout), f(dlse), causal, 1.1 * scale))
+    if bug == "dlse_ignored":
+        return tuple(g.to(q.dtype) for g in attention_grads(f(q), f(k), f(v), f(dout), None, causal, scale))
+    if bug == "dlse_sign":
+        return tuple(g.to(q.dtype) for g in attention_grads(f(q), f(k), f(v), f(dout), -f(dlse), causal, scale))
+
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    qf = f(q).requires_grad_()
+    kr, vr = (repeat_kv(f(t), heads).detach().requires_grad_() for t in (k, v))  # gradients per query head
+    len_q, len_k = q.shape[2], k.shape[2]
+    visible = visible_mask(len_q, len_k, causal, q.device)
+    if bug == "mask_off_by_one":  # the diagonal key is masked too
+        i, j = torch.arange(len_q, device=q.device)[:, None], torch.arange(len_k, device=q.device)[None, :]
+        visible = j < i + (len_k - len_q)
+    scores = (qf @ kr.transpose(-2, -1) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vr
+    dq, dkr, dvr = torch.autograd.grad((out, lse), (qf, kr, vr), (f(dout), f(dlse)))
+    if bug == "gqa_first_head_only":  # dk/dv of a kv head taken from the first query head of its group only
+        dk, dv = dkr[:, ::group].contiguous(), dvr[:, ::group].contiguous()
+    else:
+        dk, dv = dkr.unflatten(1, (-1, group)).sum(2), dvr.unflatten(1, (-1, group)).sum(2)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+@pytest.mark.dtypes(cpu=list(GRAD_FLOOR), cuda=[])
+@pytest.mark.parametrize("bug", ["scale", "dlse_ignored", "dlse_sign", "mask_off_by_one", "gqa_first_head_only"])
+def test_grad_checker_rejects_bugs(device, dtype, bug):
+    q, k, v = make_qkv(1, 4, 2, 65, 97, 64, dtype, device)
+    dout, _, _, dlse = op_inputs(q, k, v, True, 1 / 8)
+    grads = buggy_grads(q, k, v, dout, dlse, True, 1 / 8, bug)
+    with pytest.raises(AssertionError, match="max abs error"):
+        assert_grads_close(grads, q, k, v, dout, dlse, True, 1 / 8)
+
+
+def test_grad_checker_accepts_reference(device, dtype):
+    # The counterpart: the same construction without a bug passes (so the rejections above are the bugs).
+    q, k, v = make_qkv(1, 4, 2, 65, 97, 64, dtype, device)
+    dout, _, _, dlse = op_inputs(q, k, v, True, 1 / 8)
+    assert_grads_close(buggy_grads(q, k, v, dout, dlse, True, 1 / 8, "none"), q, k, v, dout, dlse, True, 1 / 8)
+
+
+# ---- CUDA only --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+@pytest.mark.parametrize("len_q,len_k", [(257, 257), (1, 513), (200, 97)], ids=["q257-k257", "q1-k513", "q200-k97"])
+def test_cuda_grads_match_cpu(dtype, causal, head_dim, len_q, len_k):
+    q, k, v = make_qkv(2, 4, 2, len_q, len_k, head_dim, dtype, "cuda")
+    dout, out, lse, dlse = op_inputs(q, k, v, causal)
+    grads = bwd(dout, q, k, v, out, lse, causal, None, dlse)
+    assert_grad_properties(grads, q, k, v)
+    # Reference: our CPU kernel on the same inputs and output gradients upcast to float32.
+    cpu = [t.cpu().float() for t in (q, k, v)]
+    cpu_out, cpu_lse = fwd(*cpu, causal)
+    cpu_grads = bwd(dout.cpu().float(), *cpu, cpu_out, cpu_lse, causal, None, dlse.cpu())
+    low_precision = attention_grads(q, k, v, dout, dlse, causal, upcast=False)
+    keyed = rows_with_keys(len_q, len_k, causal, "cpu")
+    assert (grads[0].cpu()[:, :, ~keyed] == 0).all()
+    for name, grad, ref, low in zip(("dq", "dk", "dv"), grads, cpu_grads, low_precision):
+        floor = GRAD_FLOOR[dtype] * max(1.0, ref.abs().max().item())
+        assert_error_within(grad.cpu(), ref, [low.cpu()], None, f"CUDA {name} vs CPU float32", floor=floor)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", CUDA_HEAD_DIMS + [40, 72, 200])
+def test_cuda_grads_match_cpu_head_dims(head_dim):
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(1, 4, 2, 200, 333, head_dim, dtype, "cuda")
+    dout, out, lse, dlse = op_inputs(q, k, v, True)
+    grads = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    cpu = [t.cpu().to(reference_dtype(dtype)) for t in (q, k, v)]
+    cpu_out, cpu_lse = fwd(*cpu, True)
+    cpu_grads = bwd(dout.cpu().float(), *cpu, cpu_out, cpu_lse, True, None, dlse.cpu())
+    low_precision = attention_grads(q, k, v, dout, dlse, True, upcast=False)
+    for name, grad, ref, low in zip(("dq", "dk", "dv"), grads, cpu_grads, low_precision):
+        floor = GRAD_FLOOR[dtype] * max(1.0, ref.abs().max().item())
+        assert_error_within(grad.cpu(), ref, [low.cpu()], None, f"CUDA {name} vs CPU float32", floor=floor)
