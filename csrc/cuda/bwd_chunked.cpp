@@ -45,6 +45,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
   const at::Tensor do_rows = by_kv_head(dout, s.head_dim);
   at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);  // rowsum(dO * O), (B, H, Lq)
   if (dlse.has_value()) delta = delta - *dlse;
+  // Rows without a visible key (lse = -inf) have P = 0; a non-finite dlse there must not make 0 * inf = NaN.
+  delta.masked_fill_(lse.isinf(), 0.0);
   const at::Tensor delta_rows = delta.contiguous().view({s.batch, s.heads_kv, rows, 1});
   const at::Tensor lse_rows = lse.contiguous().view({s.batch, s.heads_kv, rows, 1});
   const at::Tensor k_t = k.to(at::kFloat).transpose(-1, -2);  // (B, Hk, D, Lk)

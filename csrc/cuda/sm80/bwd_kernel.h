@@ -115,9 +115,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
       if (threadIdx.x < kBlockM) {
         const int row = m_start + threadIdx.x;
         const float row_lse = row < p.len_q ? lse[row] : -INFINITY;
-        // A row past the end or without any visible key contributes nothing: exp2(x - inf) = 0.
-        s_lse[threadIdx.x] = row_lse == -INFINITY ? INFINITY : row_lse * kLog2e;
-        s_delta[threadIdx.x] = row < p.len_q ? delta[row] : 0.f;
+        // A row past the end or without any visible key contributes nothing: exp2(x - inf) = 0, and its delta is
+        // zeroed so that a non-finite dlse there cannot turn 0 * inf into NaN.
+        const bool contributes = row_lse != -INFINITY;
+        s_lse[threadIdx.x] = contributes ? row_lse * kLog2e : INFINITY;
+        s_delta[threadIdx.x] = contributes ? delta[row] : 0.f;
       }
       cp_async_wait<0>();
       __syncthreads();
