@@ -131,13 +131,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   return {out, lse};
 }
 
-// FLASHATTN_CUDA_BWD=chunked forces the chunked backward, =fused the fused kernel wherever it applies.
-bool fused_bwd_requested() {
-  static const bool fused = [] {
+// The fused kernel runs wherever it applies; FLASHATTN_CUDA_BWD=chunked forces the chunked backward (a reference
+// to compare against, and a fallback).
+bool fused_bwd_allowed() {
+  static const bool allowed = [] {
     const char* env = std::getenv("FLASHATTN_CUDA_BWD");
-    return env != nullptr && std::strcmp(env, "fused") == 0;
+    return env == nullptr || std::strcmp(env, "chunked") != 0;
   }();
-  return fused;
+  return allowed;
 }
 
 BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -198,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
 
   const int bucket = head_dim_bucket(s.head_dim);
   // The fused kernel accumulates dQ with atomics (order-dependent): deterministic=True takes the chunked path.
-  const bool fused = fused_bwd_requested() && !deterministic && bucket <= kMaxFusedBwdHeadDim &&
+  const bool fused = fused_bwd_allowed() && !deterministic && bucket <= kMaxFusedBwdHeadDim &&
                      head_dim_bucket_built(bucket) && !s.empty() && s.len_k > 0;
   if (!fused) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
 
