@@ -63,6 +63,22 @@ void check_cuda_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
               op, ": Lq and Lk must be below 2^31 - 256, and B * H * ceil(max(Lq, Lk) / 64) below 2^31");
 }
 
+// Sizes and softmax scale, the fields FwdParams and BwdParams share.
+template <typename Params>
+void set_shape_and_scale(Params& p, const AttentionShape& s, double scale) {
+  p.batch = static_cast<int>(s.batch);
+  p.heads = static_cast<int>(s.heads);
+  p.heads_kv = static_cast<int>(s.heads_kv);
+  p.len_q = static_cast<int>(s.len_q);
+  p.len_k = static_cast<int>(s.len_k);
+  p.head_dim = static_cast<int>(s.head_dim);
+  p.heads_per_kv = static_cast<int>(s.heads / s.heads_kv);
+  p.scale = static_cast<float>(scale);
+  // The forward needs scale_log2 != 0 (masked scores are -inf, and -inf * 0 is NaN). For scale == 0 the
+  // smallest normal float gives the same uniform softmax: every scaled score rounds to 0.
+  p.scale_log2 = scale == 0.0 ? std::numeric_limits<float>::min() : static_cast<float>(scale * M_LOG2E);
+}
+
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                           const at::Tensor& lse, const AttentionShape& s, bool causal, double scale) {
   FwdParams p{};
@@ -75,17 +91,7 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
   p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
   p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
-  p.batch = static_cast<int>(s.batch);
-  p.heads = static_cast<int>(s.heads);
-  p.heads_kv = static_cast<int>(s.heads_kv);
-  p.len_q = static_cast<int>(s.len_q);
-  p.len_k = static_cast<int>(s.len_k);
-  p.head_dim = static_cast<int>(s.head_dim);
-  p.heads_per_kv = static_cast<int>(s.heads / s.heads_kv);
-  p.scale = static_cast<float>(scale);
-  // The kernels need scale_log2 != 0 (masked scores are -inf, and -inf * 0 is NaN). For scale == 0 the
-  // smallest normal float gives the same uniform softmax: every scaled score rounds to 0.
-  p.scale_log2 = scale == 0.0 ? std::numeric_limits<float>::min() : static_cast<float>(scale * M_LOG2E);
+  set_shape_and_scale(p, s, scale);
   p.causal = causal;
   return p;
 }
@@ -158,15 +164,7 @@ BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at:
   p.dq_accum = dq_accum.data_ptr<float>();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  p.batch = static_cast<int>(s.batch);
-  p.heads = static_cast<int>(s.heads);
-  p.heads_kv = static_cast<int>(s.heads_kv);
-  p.len_q = static_cast<int>(s.len_q);
-  p.len_k = static_cast<int>(s.len_k);
-  p.head_dim = static_cast<int>(s.head_dim);
-  p.heads_per_kv = static_cast<int>(s.heads / s.heads_kv);
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  set_shape_and_scale(p, s, scale);
   return p;
 }
 
