@@ -1,0 +1,125 @@
+// Hopper (sm_90a) building blocks for the forward kernel of issue 4: wgmma synchronisation and shared-memory
+// descriptors, mbarriers, TMA tile loads, register reallocation and named barriers. Each wrapper is one PTX
+// instruction; the wgmma instructions themselves are in the generated wgmma_ops.h.
+// Checked on the GPU, one piece at a time, by tests/test_sm90_primitives.py before any kernel relies on it.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashattn::sm90 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// ---- wgmma ordering -------------------------------------------------------------------------------------------
+
+// Before the first wgmma that reads registers (accumulators or an A operand) written by ordinary instructions.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// Closes the wgmmas issued so far into a group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// Waits until at most kPending committed groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across an asynchronous wgmma.
+template <int kRegs>
+__device__ __forceinline__ void wgmma_fence_registers(float (&d)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor for a K-major tile stored in the 128-byte swizzle pattern that TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 B), 8-row atoms of 1024 B, the 16-byte chunk c of
+// row r stored at chunk c ^ (r % 8). Fields (PTX ISA, "matrix descriptor"): start address >> 4 (bits 0-13),
+// leading-dimension byte offset >> 4 (16-29), stride-dimension byte offset >> 4 (32-45: 1024 B between 8-row
+// atoms), swizzle mode (62-63: 1 = 128 B). The tile must start 1024-byte aligned; a k16 step inside the 64-element
+// row advances the start address by 32 bytes.
+__device__ __forceinline__ uint64_t smem_desc_sw128(const void* tile, uint32_t leading_byte_offset = 16,
+                                                    uint32_t stride_byte_offset = 1024) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr(tile) & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>((leading_byte_offset & 0x3FFFF) >> 4) << 16;
+  desc |= static_cast<uint64_t>((stride_byte_offset & 0x3FFFF) >> 4) << 32;
+  desc |= uint64_t{1} << 62;
+  return desc;
+}
+
+// ---- mbarriers and TMA ------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
+}
+
+// Makes initialised mbarriers visible to the async proxy (TMA) before it signals them.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of TMA traffic the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Spins until the phase with the given parity has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// TMA: copies the box at coordinates (c0 innermost .. c3) of a 4-D tensor map into shared memory and signals
+// `bar` with the bytes written (the whole box: out-of-bounds parts are zero-filled and still counted).
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Shared memory written by ordinary stores, read next by wgmma or TMA: each writing thread fences before the barrier.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- warp specialisation -----------------------------------------------------------------------------------------
+
+// Register reallocation between warpgroups (needs a register cap at kernel entry: __launch_bounds__(n, 1)).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: ping-pong between consumer warpgroups.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,52 @@
+// Host side of TMA: tensor maps for (B, H, L, D) tensors, encoded through the driver entry point that the CUDA
+// runtime hands out (no link against libcuda).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashattn::sm90 {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess) {
+      return static_cast<EncodeTiledFn>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// A 4-D map over a (B, H, L, D) tensor of 16-bit elements with element strides (batch, head, row) and a box of
+// `box_rows` rows x 64 columns (128 bytes: the widest inner box the 128-byte swizzle allows). Coordinates are
+// (column, row, head, batch); reads past L or D are zero-filled. Returns false if the driver rejects it
+// (alignment: base and strides must be multiples of 16 bytes).
+inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int64_t batch, int64_t heads,
+                          int64_t len, int64_t head_dim, int64_t batch_stride, int64_t head_stride,
+                          int64_t row_stride, uint32_t box_rows) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(len),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_stride * 2), static_cast<cuuint64_t>(head_stride * 2),
+                                 static_cast<cuuint64_t>(batch_stride * 2)};
+  const cuuint32_t box[4] = {64, box_rows, 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult result = encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                                 const_cast<void*>(base), dims, strides, box, element_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS;
+}
+
+}  // namespace flashattn::sm90
