@@ -2,8 +2,10 @@
 //   wgmma_probe: S = A B^T with both operands K-major in 128B-swizzled shared memory (wgmma SS), then
 //                O = bf16(S) V with P from registers and V as an MN-major (transposed) operand (wgmma RS).
 //   tma_probe:   one TMA box load of a (rows x 64) tile into shared memory, returned raw (swizzled).
+//   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h) on contiguous bf16 (B, H, L, D) inputs.
 #include <torch/extension.h>
 
+#include "cuda/sm90/fwd_kernel.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
@@ -113,9 +115,38 @@ torch::Tensor tma_probe(torch::Tensor a) {  // a: (64, 64) bf16, contiguous
   return out;
 }
 
+std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal) {
+  auto out = torch::empty_like(q);
+  auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat));
+  flashattn::FwdParams p{};
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_batch_stride = q.stride(0), p.q_head_stride = q.stride(1), p.q_row_stride = q.stride(2);
+  p.k_batch_stride = k.stride(0), p.k_head_stride = k.stride(1), p.k_row_stride = k.stride(2);
+  p.v_batch_stride = v.stride(0), p.v_head_stride = v.stride(1), p.v_row_stride = v.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+  p.batch = q.size(0), p.heads = q.size(1), p.heads_kv = k.size(1), p.len_q = q.size(2), p.len_k = k.size(2);
+  p.head_dim = q.size(3), p.heads_per_kv = q.size(1) / k.size(1);
+  p.scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.causal = causal;
+  TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, "attention_probe: head dim 64 or 128");
+  cudaError_t err;
+  if (q.size(3) == 64) {
+    err = causal ? flashattn::sm90::run_fwd_sm90<T, 64, true>(p, nullptr)
+                 : flashattn::sm90::run_fwd_sm90<T, 64, false>(p, nullptr);
+  } else {
+    err = causal ? flashattn::sm90::run_fwd_sm90<T, 128, true>(p, nullptr)
+                 : flashattn::sm90::run_fwd_sm90<T, 128, false>(p, nullptr);
+  }
+  TORCH_CHECK(err == cudaSuccess, "attention_probe: ", cudaGetErrorString(err));
+  return {out, lse};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_probe", &wgmma_probe);
   m.def("tma_probe", &tma_probe);
+  m.def("attention_probe", &attention_probe);
 }

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import assert_attention_close, make_qkv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +51,21 @@ def test_wgmma_ss_then_rs_with_transposed_b(probe):
 def test_tma_box_load_lands_in_the_swizzle_the_descriptors_assume(probe):
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(probe.tma_probe(a).cpu(), swizzle_128b(a.cpu()))
+
+
+@pytest.mark.cuda
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "batch,heads,heads_kv,len_q,len_k",
+    [(2, 4, 4, 256, 256), (1, 4, 2, 129, 1025), (2, 2, 1, 1025, 63), (1, 2, 2, 7, 300), (1, 16, 16, 4096, 4096)],
+    ids=["even", "gqa-long-k", "mqa-short-k", "short-q", "4k"],
+)
+def test_sm90_forward_matches_reference(probe, head_dim, causal, batch, heads, heads_kv, len_q, len_k):
+    q, k, v = make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    out, lse = probe.attention_probe(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+    assert_attention_close(out, lse, q, k, v, causal)
 
 
 def test_swizzle_reference_is_a_permutation_within_rows():

@@ -1,0 +1,293 @@
+// Hopper forward, version 0 (issue 4, step 3): warp-specialised, TMA + wgmma. Not wired into the dispatch yet:
+// tests/test_sm90_primitives.py builds and checks it against the reference first.
+//
+// CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread loads the Q block once and K/V blocks into a 2-stage
+// ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), each stage guarded by a
+// "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done with it). Warpgroups 1 and 2 each own 64
+// query rows: S = Q K^T with both operands from shared memory, online softmax on the accumulators (rows live in
+// 4-lane quads, as in the sm80 kernel), O += P V with P from registers and V read transposed. No overlap of softmax
+// and GEMMs yet; that is version 1.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "cuda/params.h"
+#include "cuda/sm80/ptx.h"  // pack2, fast_exp2
+#include "cuda/sm90/ptx.h"
+#include "cuda/sm90/tma.h"
+#include "cuda/sm90/wgmma_ops.h"
+
+namespace flashattn::sm90 {
+
+template <int HeadDim>
+struct FwdTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kNThreads = 3 * 128;
+  static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
+  static constexpr int kTileQ = kBlockM * HeadDim;    // elements
+  static constexpr int kTileKV = kBlockN * HeadDim;
+  static constexpr int kSubTileQ = kBlockM * 64;
+  static constexpr int kSubTileKV = kBlockN * 64;
+  // Producer keeps few registers, consumers get the rest: 40 * 128 + 2 * 232 * 128 <= 64K.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  template <typename T>
+  static constexpr int smem_bytes() {
+    return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
+  }
+  static_assert(HeadDim == 64 || HeadDim == 128, "version 0 covers head dims 64 and 128");
+};
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                          const __grid_constant__ CUtensorMap v_map, const __grid_constant__ FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kColumnBlocks = Traits::kColumnBlocks;
+
+  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  const int m_index = blockIdx.x % num_m_blocks;
+  const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
+  const int head = (blockIdx.x / num_m_blocks) % p.heads;
+  const int batch = blockIdx.x / num_m_blocks / p.heads;
+  const int kv_head = head / p.heads_per_kv;
+  const int m_start = m_block * kBlockM;
+  const int m_end = min(m_start + kBlockM, p.len_q);
+  const int causal_shift = p.len_k - p.len_q;
+  const int n_end = kCausal ? max(0, min(p.len_k, m_end + causal_shift)) : p.len_k;
+  const int num_n_blocks = (n_end + kBlockN - 1) / kBlockN;
+
+  T* const o_base = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
+  float* const lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
+
+  if (num_n_blocks == 0) {  // no row of this block sees a key: out = 0, lse = -inf (CTA-uniform)
+    for (int i = threadIdx.x; i < (m_end - m_start) * p.head_dim; i += blockDim.x) {
+      const int row = m_start + i / p.head_dim;
+      o_base[static_cast<int64_t>(row) * p.o_row_stride + i % p.head_dim] = T(0.f);
+    }
+    for (int row = m_start + threadIdx.x; row < m_end; row += blockDim.x) lse_base[row] = -INFINITY;
+    return;
+  }
+
+  extern __shared__ unsigned char smem_raw[];
+  // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
+  T* const sQ = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  T* const sK = sQ + Traits::kTileQ;           // [kStages][kColumnBlocks][kBlockN][64]
+  T* const sV = sK + kStages * Traits::kTileKV;
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(sV + kStages * Traits::kTileKV);
+  uint64_t* const q_full = bars;
+  uint64_t* const k_full = bars + 1;
+  uint64_t* const v_full = k_full + kStages;
+  uint64_t* const kv_empty = v_full + kStages;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&k_full[s], 1);
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&kv_empty[s], 2 * 128);  // every consumer thread arrives once it has read the stage
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect_tx(q_full, Traits::kTileQ * sizeof(T));
+      for (int c = 0; c < kColumnBlocks; ++c) {
+        tma_load_4d(sQ + c * Traits::kSubTileQ, &q_map, q_full, 64 * c, m_start, head, batch);
+      }
+      for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+        const int stage = n_block % kStages;
+        const int use = n_block / kStages;
+        if (use > 0) mbarrier_wait(&kv_empty[stage], (use - 1) & 1);
+        T* const k_stage = sK + stage * Traits::kTileKV;
+        T* const v_stage = sV + stage * Traits::kTileKV;
+        mbarrier_arrive_expect_tx(&k_full[stage], Traits::kTileKV * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(k_stage + c * Traits::kSubTileKV, &k_map, &k_full[stage], 64 * c, n_block * kBlockN, kv_head,
+                      batch);
+        }
+        mbarrier_arrive_expect_tx(&v_full[stage], Traits::kTileKV * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(v_stage + c * Traits::kSubTileKV, &v_map, &v_full[stage], 64 * c, n_block * kBlockN, kv_head,
+                      batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------------ consumers
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int consumer = warpgroup - 1;      // rows 64 * consumer .. of the block
+  const int warp = (threadIdx.x / 32) % 4;  // warp inside the warpgroup: 16 rows each
+  const int lane = threadIdx.x % 32;
+  const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
+  T* const sQ_rows = sQ + consumer * 64 * 64;  // this warpgroup's 64 rows inside each 64-column sub-tile
+
+  const bool negate = p.scale_log2 < 0.f;
+  const float scale_log2 = fabsf(p.scale_log2);
+  float o[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  mbarrier_wait(q_full, 0);
+  for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+    const int stage = n_block % kStages;
+    const uint32_t parity = (n_block / kStages) & 1;
+    const int n_start = n_block * kBlockN;
+    T* const k_stage = sK + stage * Traits::kTileKV;
+    T* const v_stage = sV + stage * Traits::kTileKV;
+
+    // S = Q K^T: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next 64-column sub-tile.
+    float s[kBlockN / 2];
+    mbarrier_wait(&k_full[stage], parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const int c = kk / 4, k_in_row = (kk % 4) * 16;
+      Wgmma<T, kBlockN>::template ss<false>(s, smem_desc_sw128(sQ_rows + c * Traits::kSubTileQ + k_in_row),
+                                            smem_desc_sw128(k_stage + c * Traits::kSubTileKV + k_in_row), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_registers(s);
+
+    // Masks (ragged end, causal diagonal) and sign; then the online softmax on rows h = 0, 1 of this thread.
+    const bool needs_mask =
+        n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+    if (needs_mask || negate) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int last_col = p.len_k - 1;
+        if (kCausal) last_col = min(last_col, m_start + row_in_block0 + 8 * h + causal_shift);
+        last_col -= n_start + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[4 * j + 2 * h + c];
+            if (negate) x = -x;
+            if (needs_mask && 8 * j + c > last_col) x = -INFINITY;
+          }
+        }
+      }
+    }
+    float rescale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = row_max[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+      const float base = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+      rescale[h] = sm80::fast_exp2(row_max[h] * scale_log2 - base);
+      row_max[h] = block_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
+          sum += x;
+        }
+      }
+      row_sum[h] = row_sum[h] * rescale[h] + sum;
+    }
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[4 * j + i] *= rescale[i / 2];
+    }
+
+    // P as A fragments: k16 step kk over keys covers accumulator tiles 2 kk and 2 kk + 1.
+    uint32_t p_frag[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p_frag[kk][i] = sm80::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+    }
+
+    // O += P V: V (keys x D) is MN-major; a k16 step is 16 rows (2 KB) down the sub-tiles, and the leading byte
+    // offset is the distance between 64-column sub-tiles.
+    mbarrier_wait(&v_full[stage], parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      Wgmma<T, kHeadDim>::template rs<true>(
+          o, p_frag[kk], smem_desc_sw128(v_stage + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)), true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_registers(o);
+    mbarrier_arrive(&kv_empty[stage]);
+  }
+
+  // Epilogue: normalise, lse, direct 4-byte stores of O (rows past Lq and columns past D skipped).
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = m_start + row_in_block0 + 8 * h;
+    if (row < p.len_q) {
+      if (lane % 4 == 0) lse_base[row] = sum > 0.f ? (row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+      T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        if (col < p.head_dim) {
+          out_row[col] = T(o[4 * j + 2 * h] * inv);
+          out_row[col + 1] = T(o[4 * j + 2 * h + 1] * inv);
+        }
+      }
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+// Launches the Hopper forward on `stream`; cudaErrorInvalidValue if the tensor maps cannot be encoded.
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
+  using Traits = FwdTraits<HeadDim>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  CUtensorMap q_map, k_map, v_map;
+  const bool ok =
+      make_bhld_map(&q_map, params.q, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
+                    params.q_batch_stride, params.q_head_stride, params.q_row_stride, Traits::kBlockM) &&
+      make_bhld_map(&k_map, params.k, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
+                    params.k_batch_stride, params.k_head_stride, params.k_row_stride, Traits::kBlockN) &&
+      make_bhld_map(&v_map, params.v, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
+                    params.v_batch_stride, params.v_head_stride, params.v_row_stride, Traits::kBlockN);
+  if (!ok) return cudaErrorInvalidValue;
+  auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
+  constexpr int kSmemBytes = Traits::template smem_bytes<T>();
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const dim3 grid(static_cast<unsigned>(num_m_blocks * params.heads * params.batch));
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, params);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn::sm90
