@@ -67,15 +67,18 @@ def make_extension():
         )
 
     dims = headdims()
-    # One generated file per (arch family, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py.
+    archs = cuda_archs()
+    with_sm90 = "90a" in archs  # the Hopper kernels need sm_90a's wgmma/setmaxnreg
+    # One generated file per (kernel, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py.
     for path in sorted((ROOT / "csrc/cuda/instantiations").glob("*.cu")):
         m = re.search(r"_hdim(\d+)_", path.name)
-        if m and int(m.group(1)) in dims:
+        if m and int(m.group(1)) in dims and (with_sm90 or "_sm90_" not in path.name):
             sources.append(str(path.relative_to(ROOT)))
     sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/sm80/bwd_delta.cu"]
 
     # Read by the dispatch in flash_api.cpp (host compiler only: nvcc would split the value at its commas).
     built_headdims = f"-DFLASHATTN_BUILT_HEADDIMS={','.join(map(str, dims))}"
+    host_defines = [built_headdims] + (["-DFLASHATTN_WITH_SM90"] if with_sm90 else [])
     nvcc_flags = [
         "-O3",
         "-std=c++17",
@@ -84,7 +87,7 @@ def make_extension():
         "-lineinfo",
         "-Xptxas=-warn-spills",
     ]
-    for arch in cuda_archs():
+    for arch in archs:
         nvcc_flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     if os.environ.get("FLASHATTN_PTXAS_VERBOSE") == "1":
         nvcc_flags.append("-Xptxas=-v")
@@ -92,7 +95,7 @@ def make_extension():
         "flashattn_ext._C",
         sources,
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": cxx_flags + [built_headdims], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": cxx_flags + host_defines, "nvcc": nvcc_flags},
     )
 
 

@@ -96,8 +96,26 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   return p;
 }
 
-// The one place where runtime values become template parameters: dtype x head-dim bucket x causal.
-cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket, cudaStream_t stream) {
+// FLASHATTN_FWD_SM90=1 sends the forward on Hopper to the TMA + wgmma kernel (version 0, being validated on the
+// GPU); it becomes the default once it passes the GPU suite.
+bool sm90_fwd_applies(int bucket, const at::Tensor& q) {
+#ifdef FLASHATTN_WITH_SM90
+  static const bool requested = [] {
+    const char* env = std::getenv("FLASHATTN_FWD_SM90");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+  }();
+  if (!requested || !sm90_fwd_covers(bucket)) return false;
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  return props->major == 9 && props->minor == 0;
+#else
+  (void)bucket, (void)q;
+  return false;
+#endif
+}
+
+// The one place where runtime values become template parameters: kernel x dtype x head-dim bucket x causal.
+cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket, bool use_sm90,
+                       cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_half_type(dtype == at::kBFloat16, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
@@ -105,6 +123,14 @@ cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket
       constexpr int kHeadDim = decltype(head_dim_tag)::value;
       dispatch_bool(params.causal, [&](auto causal_tag) {
         constexpr bool kCausal = decltype(causal_tag)::value;
+#ifdef FLASHATTN_WITH_SM90
+        if constexpr (sm90_fwd_covers(kHeadDim)) {
+          if (use_sm90) {
+            err = sm90::run_fwd_sm90<T, kHeadDim, kCausal>(params, stream);
+            if (err != cudaErrorNotSupported) return;  // else: strides TMA cannot describe; use the sm80 kernel
+          }
+        }
+#endif
         err = sm80::run_fwd_sm80<T, kHeadDim, kCausal>(params, stream);
       });
     });
@@ -132,7 +158,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   }
 
   const FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
-  const cudaError_t err = launch_fwd(params, q.scalar_type(), bucket, at::cuda::getCurrentCUDAStream());
+  const cudaError_t err =
+      launch_fwd(params, q.scalar_type(), bucket, sm90_fwd_applies(bucket, q), at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashattn.fwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }

@@ -72,9 +72,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* const lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
 
   if (num_n_blocks == 0) {  // no row of this block sees a key: out = 0, lse = -inf (CTA-uniform)
-    for (int i = threadIdx.x; i < (m_end - m_start) * p.head_dim; i += blockDim.x) {
-      const int row = m_start + i / p.head_dim;
-      o_base[static_cast<int64_t>(row) * p.o_row_stride + i % p.head_dim] = T(0.f);
+    const int pairs_per_row = p.head_dim / 2;
+    for (int i = threadIdx.x; i < (m_end - m_start) * pairs_per_row; i += blockDim.x) {
+      const int row = m_start + i / pairs_per_row;
+      *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
     }
     for (int row = m_start + threadIdx.x; row < m_end; row += blockDim.x) lse_base[row] = -INFINITY;
     return;
@@ -256,9 +257,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; ++j) {
         const int col = 8 * j + 2 * (lane % 4);
-        if (col < p.head_dim) {
-          out_row[col] = T(o[4 * j + 2 * h] * inv);
-          out_row[col + 1] = T(o[4 * j + 2 * h + 1] * inv);
+        if (col < p.head_dim) {  // head_dim is a multiple of 8: the pair is in range and 4-byte aligned
+          *reinterpret_cast<uint32_t*>(out_row + col) = sm80::pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
         }
       }
     }
@@ -266,7 +266,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// Launches the Hopper forward on `stream`; cudaErrorInvalidValue if the tensor maps cannot be encoded.
+// Launches the Hopper forward on `stream`. Returns cudaErrorNotSupported, having launched nothing, when the
+// driver cannot encode the tensor maps for these strides (the caller then uses the sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim>;
@@ -279,7 +280,7 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
                     params.k_batch_stride, params.k_head_stride, params.k_row_stride, Traits::kBlockN) &&
       make_bhld_map(&v_map, params.v, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
                     params.v_batch_stride, params.v_head_stride, params.v_row_stride, Traits::kBlockN);
-  if (!ok) return cudaErrorInvalidValue;
+  if (!ok) return cudaErrorNotSupported;
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

@@ -38,6 +38,11 @@ inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int6
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(len),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  // The stride of a dimension of extent 1 is never used; give it a value the driver accepts (a multiple of 16 B).
+  const auto usable = [](int64_t extent, int64_t stride, int64_t fallback) { return extent <= 1 ? fallback : stride; };
+  row_stride = usable(len, row_stride, head_dim);
+  head_stride = usable(heads, head_stride, row_stride * len);
+  batch_stride = usable(batch, batch_stride, head_stride * heads);
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_stride * 2), static_cast<cuuint64_t>(head_stride * 2),
                                  static_cast<cuuint64_t>(batch_stride * 2)};
   const cuuint32_t box[4] = {64, box_rows, 1, 1};
