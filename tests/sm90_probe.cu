@@ -1,10 +1,12 @@
 // GPU probe of the Hopper building blocks in csrc/cuda/sm90 (built by tests/test_sm90_primitives.py, sm_90a only):
 //   wgmma_probe: S = A B^T with both operands K-major in 128B-swizzled shared memory (wgmma SS), then
-//                O = bf16(S) V with P from registers and V as an MN-major (transposed) operand (wgmma RS).
+//                O = P V with P = S rounded in registers and V as an MN-major (transposed) operand (wgmma RS);
+//                D = 64 and 128 (two 64-column sub-tiles, as in the forward kernel), bf16 and fp16.
 //   tma_probe:   one TMA box load of a (rows x 64) tile into shared memory, returned raw (swizzled).
 //   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h) on contiguous bf16 (B, H, L, D) inputs.
 #include <torch/extension.h>
 
+#include "cuda/sm80/ptx.h"
 #include "cuda/sm90/fwd_kernel.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
@@ -13,71 +15,90 @@
 namespace {
 
 using flashattn::sm90::Wgmma;
-using T = __nv_bfloat16;
+using T = __nv_bfloat16;  // the TMA and attention probes
 
-// Row-major (rows x 64) global tile -> 128B-swizzle layout (what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B).
-__device__ void store_swizzled(T* smem, const T* gmem, int rows) {
-  for (int idx = threadIdx.x; idx < rows * 8; idx += blockDim.x) {
-    const int r = idx / 8, c = idx % 8;
-    *reinterpret_cast<uint4*>(smem + r * 64 + (c ^ (r % 8)) * 8) = *reinterpret_cast<const uint4*>(gmem + r * 64 + c * 8);
+// Row-major (rows x cols) global tile -> shared sub-tiles of [rows x 64] in the 128B-swizzle layout that TMA writes
+// with CU_TENSOR_MAP_SWIZZLE_128B (16-byte chunk c of row r stored at chunk c ^ (r % 8)), as the kernel keeps them.
+template <typename E>
+__device__ void store_swizzled(E* smem, const E* gmem, int rows, int cols) {
+  for (int idx = threadIdx.x; idx < rows * cols / 8; idx += blockDim.x) {
+    const int r = idx / (cols / 8), chunk = idx % (cols / 8);
+    const int sub = chunk / 8, c = chunk % 8;
+    *reinterpret_cast<uint4*>(smem + sub * rows * 64 + r * 64 + (c ^ (r % 8)) * 8) =
+        *reinterpret_cast<const uint4*>(gmem + r * cols + chunk * 8);
   }
 }
 
-__device__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// Writes a 64 x 64 fp32 accumulator (wgmma layout) row-major.
-__device__ void store_accumulator(float* out, const float (&d)[32]) {
+// Writes a 64 x kN fp32 accumulator (wgmma layout) row-major.
+template <int kN>
+__device__ void store_accumulator(float* out, const float (&d)[kN / 2]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < kN / 8; ++j) {
     for (int i = 0; i < 4; ++i) {
       const int row = 16 * warp + lane / 4 + 8 * (i / 2);
       const int col = 8 * j + 2 * (lane % 4) + i % 2;
-      out[row * 64 + col] = d[4 * j + i];
+      out[row * kN + col] = d[4 * j + i];
     }
   }
 }
 
-__global__ void __launch_bounds__(128) wgmma_probe_kernel(const T* a, const T* b, const T* v, float* s_out,
+// S = A B^T (A: 64 x kDim, B: kDim x kDim, both K-major in kDim / 64 sub-tiles), then O = P V with P = S rounded to E
+// in registers and V (kDim keys x kDim) read transposed across its kDim / 64 column sub-tiles: the layouts of the
+// forward kernel, including the 32-byte k steps, the +sub-tile jumps and V's leading byte offset.
+template <typename E, int kDim>
+__global__ void __launch_bounds__(128) wgmma_probe_kernel(const E* a, const E* b, const E* v, float* s_out,
                                                           float* o_out) {
-  __shared__ __align__(1024) T sA[64 * 64];
-  __shared__ __align__(1024) T sB[64 * 64];
-  __shared__ __align__(1024) T sV[64 * 64];
-  store_swizzled(sA, a, 64);
-  store_swizzled(sB, b, 64);
-  store_swizzled(sV, v, 64);
+  extern __shared__ unsigned char smem_raw[];
+  E* const sA = reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  E* const sB = sA + 64 * kDim;
+  E* const sV = sB + kDim * kDim;
+  store_swizzled(sA, a, 64, kDim);
+  store_swizzled(sB, b, kDim, kDim);
+  store_swizzled(sV, v, kDim, kDim);
   flashattn::sm90::fence_proxy_async_smem();
   __syncthreads();
 
-  float s[32];
-  for (int i = 0; i < 32; ++i) s[i] = 0.f;
+  float s[kDim / 2];
+  for (int i = 0; i < kDim / 2; ++i) s[i] = 0.f;
+  flashattn::sm90::wgmma_fence_registers(s);
   flashattn::sm90::wgmma_fence();
-  for (int kk = 0; kk < 4; ++kk) {  // k16 steps inside the 128-byte rows: +32 bytes each
-    Wgmma<T, 64>::ss<false>(s, flashattn::sm90::smem_desc_sw128(sA + kk * 16),
-                            flashattn::sm90::smem_desc_sw128(sB + kk * 16), kk > 0);
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    const int sub = kk / 4, k_in_row = (kk % 4) * 16;
+    Wgmma<E, kDim>::template ss<false>(s, flashattn::sm90::smem_desc_sw128(sA + sub * 64 * 64 + k_in_row),
+                                       flashattn::sm90::smem_desc_sw128(sB + sub * kDim * 64 + k_in_row), kk > 0);
   }
   flashattn::sm90::wgmma_commit();
   flashattn::sm90::wgmma_wait<0>();
   flashattn::sm90::wgmma_fence_registers(s);
-  store_accumulator(s_out, s);
+  store_accumulator<kDim>(s_out, s);
 
-  // P = bf16(S) as A fragments: k16 step kk covers S columns 16 kk .. 16 kk + 15, i.e. accumulator tiles 2 kk, 2 kk + 1.
-  uint32_t p[4][4];
-  for (int kk = 0; kk < 4; ++kk) {
-    for (int i = 0; i < 4; ++i) p[kk][i] = pack_bf16(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+  uint32_t p[kDim / 16][4];
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    for (int i = 0; i < 4; ++i) p[kk][i] = flashattn::sm80::pack2<E>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
   }
-  float o[32];
-  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  float o[kDim / 2];
+  for (int i = 0; i < kDim / 2; ++i) o[i] = 0.f;
+  flashattn::sm90::wgmma_fence_registers(o);
+  flashattn::sm90::wgmma_fence_registers(p);
   flashattn::sm90::wgmma_fence();
-  for (int kk = 0; kk < 4; ++kk) {  // k16 steps over keys: 16 rows of V = 2048 bytes each
-    Wgmma<T, 64>::rs<true>(o, p[kk], flashattn::sm90::smem_desc_sw128(sV + kk * 16 * 64), kk > 0);
+  for (int kk = 0; kk < kDim / 16; ++kk) {  // k16 steps over keys: 16 rows = 2048 bytes down each sub-tile
+    Wgmma<E, kDim>::template rs<true>(
+        o, p[kk], flashattn::sm90::smem_desc_sw128(sV + kk * 16 * 64, kDim * 64 * sizeof(E)), kk > 0);
   }
   flashattn::sm90::wgmma_commit();
   flashattn::sm90::wgmma_wait<0>();
   flashattn::sm90::wgmma_fence_registers(o);
-  store_accumulator(o_out, o);
+  store_accumulator<kDim>(o_out, o);
+}
+
+template <typename E, int kDim>
+void launch_wgmma_probe(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& v, torch::Tensor& s,
+                        torch::Tensor& o) {
+  auto kernel = wgmma_probe_kernel<E, kDim>;
+  const int smem = (64 * kDim + 2 * kDim * kDim) * sizeof(E) + 1024;
+  TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) == cudaSuccess);
+  kernel<<<1, 128, smem>>>(reinterpret_cast<const E*>(a.data_ptr()), reinterpret_cast<const E*>(b.data_ptr()),
+                           reinterpret_cast<const E*>(v.data_ptr()), s.data_ptr<float>(), o.data_ptr<float>());
 }
 
 __global__ void __launch_bounds__(128) tma_probe_kernel(const __grid_constant__ CUtensorMap map, T* out) {
@@ -96,11 +117,18 @@ __global__ void __launch_bounds__(128) tma_probe_kernel(const __grid_constant__ 
   for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) out[i] = tile[i];
 }
 
+// a: (64, D), b: (D, D), v: (D, D), contiguous bf16 or fp16 with D = 64 or 128. Returns S = a b^T and O = P v.
 std::vector<torch::Tensor> wgmma_probe(torch::Tensor a, torch::Tensor b, torch::Tensor v) {
-  auto s = torch::empty({64, 64}, a.options().dtype(torch::kFloat));
-  auto o = torch::empty({64, 64}, a.options().dtype(torch::kFloat));
-  wgmma_probe_kernel<<<1, 128>>>(reinterpret_cast<const T*>(a.data_ptr()), reinterpret_cast<const T*>(b.data_ptr()),
-                                 reinterpret_cast<const T*>(v.data_ptr()), s.data_ptr<float>(), o.data_ptr<float>());
+  const int64_t dim = a.size(1);
+  TORCH_CHECK(dim == 64 || dim == 128, "wgmma_probe: D must be 64 or 128");
+  auto s = torch::empty({64, dim}, a.options().dtype(torch::kFloat));
+  auto o = torch::empty({64, dim}, a.options().dtype(torch::kFloat));
+  const bool bf16 = a.scalar_type() == torch::kBFloat16;
+  if (dim == 64) {
+    bf16 ? launch_wgmma_probe<__nv_bfloat16, 64>(a, b, v, s, o) : launch_wgmma_probe<__half, 64>(a, b, v, s, o);
+  } else {
+    bf16 ? launch_wgmma_probe<__nv_bfloat16, 128>(a, b, v, s, o) : launch_wgmma_probe<__half, 128>(a, b, v, s, o);
+  }
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "wgmma_probe launch failed");
   return {s, o};
 }

@@ -97,14 +97,23 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // FLASHATTN_FWD_SM90=1 sends the forward on Hopper to the TMA + wgmma kernel (version 0, being validated on the
-// GPU); it becomes the default once it passes the GPU suite.
+// GPU), falling back to sm80 where TMA cannot describe the strides; =strict raises instead of falling back, so a
+// test run proves the Hopper kernel ran. It becomes the default once it passes the GPU suite.
+enum class Sm90Mode { kOff, kOn, kStrict };
+
+Sm90Mode sm90_mode() {
+  static const Sm90Mode mode = [] {
+    const char* env = std::getenv("FLASHATTN_FWD_SM90");
+    if (env == nullptr) return Sm90Mode::kOff;
+    if (std::strcmp(env, "strict") == 0) return Sm90Mode::kStrict;
+    return std::strcmp(env, "1") == 0 ? Sm90Mode::kOn : Sm90Mode::kOff;
+  }();
+  return mode;
+}
+
 bool sm90_fwd_applies(int bucket, const at::Tensor& q) {
 #ifdef FLASHATTN_WITH_SM90
-  static const bool requested = [] {
-    const char* env = std::getenv("FLASHATTN_FWD_SM90");
-    return env != nullptr && std::strcmp(env, "1") == 0;
-  }();
-  if (!requested || !sm90_fwd_covers(bucket)) return false;
+  if (sm90_mode() == Sm90Mode::kOff || !sm90_fwd_covers(bucket)) return false;
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
   return props->major == 9 && props->minor == 0;
 #else
@@ -127,7 +136,8 @@ cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket
         if constexpr (sm90_fwd_covers(kHeadDim)) {
           if (use_sm90) {
             err = sm90::run_fwd_sm90<T, kHeadDim, kCausal>(params, stream);
-            if (err != cudaErrorNotSupported) return;  // else: strides TMA cannot describe; use the sm80 kernel
+            if (err != cudaErrorNotSupported || sm90_mode() == Sm90Mode::kStrict) return;
+            // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel instead
           }
         }
 #endif

@@ -43,6 +43,10 @@ struct FwdTraits {
     return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
   }
   static_assert(HeadDim == 64 || HeadDim == 128, "version 0 covers head dims 64 and 128");
+  // setmaxnreg.inc blocks until registers are free: the rebalanced total must fit what the launch granted
+  // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
+  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
+                "producer + consumer registers exceed the register file");
 };
 
 template <typename T, typename Traits, bool kCausal>
@@ -159,6 +163,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // S = Q K^T: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next 64-column sub-tile.
     float s[kBlockN / 2];
     mbarrier_wait(&k_full[stage], parity);
+    wgmma_fence_registers(s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -230,6 +235,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // O += P V: V (keys x D) is MN-major; a k16 step is 16 rows (2 KB) down the sub-tiles, and the leading byte
     // offset is the distance between 64-column sub-tiles.
     mbarrier_wait(&v_full[stage], parity);
+    wgmma_fence_registers(o);  // the rescale and the P packing must land before the wgmmas read them
+    wgmma_fence_registers(p_frag);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -267,7 +274,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 // Launches the Hopper forward on `stream`. Returns cudaErrorNotSupported, having launched nothing, when the
-// driver cannot encode the tensor maps for these strides (the caller then uses the sm80 kernel).
+// driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use the
+// sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim>;
@@ -283,8 +291,10 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if (!ok) return cudaErrorNotSupported;
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; leave no error behind for the sm80 launch
+    return cudaErrorNotSupported;
+  }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const dim3 grid(static_cast<unsigned>(num_m_blocks * params.heads * params.batch));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, params);

@@ -29,11 +29,21 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Keeps the compiler from moving accumulator reads/writes across an asynchronous wgmma.
+// Keeps the compiler from moving register reads/writes across an asynchronous wgmma: call it on the accumulators
+// (and on A-operand registers) right before wgmma_fence() and right after wgmma_wait().
 template <int kRegs>
 __device__ __forceinline__ void wgmma_fence_registers(float (&d)[kRegs]) {
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ void wgmma_fence_registers(uint32_t (&a)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
 }
 
 // Shared-memory matrix descriptor for a K-major tile stored in the 128-byte swizzle pattern that TMA writes with
