@@ -158,14 +158,17 @@ std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, tor
   p.scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   p.causal = causal;
-  TORCH_CHECK(q.size(3) == 64 || q.size(3) == 128, "attention_probe: head dim 64 or 128");
-  cudaError_t err;
-  if (q.size(3) == 64) {
-    err = causal ? flashattn::sm90::run_fwd_sm90<T, 64, true>(p, nullptr)
-                 : flashattn::sm90::run_fwd_sm90<T, 64, false>(p, nullptr);
-  } else {
-    err = causal ? flashattn::sm90::run_fwd_sm90<T, 128, true>(p, nullptr)
-                 : flashattn::sm90::run_fwd_sm90<T, 128, false>(p, nullptr);
+  const auto run = [&](auto head_dim_tag) {
+    constexpr int kHeadDim = decltype(head_dim_tag)::value;
+    return causal ? flashattn::sm90::run_fwd_sm90<T, kHeadDim, true>(p, nullptr)
+                  : flashattn::sm90::run_fwd_sm90<T, kHeadDim, false>(p, nullptr);
+  };
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (q.size(3)) {
+    case 64: err = run(std::integral_constant<int, 64>{}); break;
+    case 128: err = run(std::integral_constant<int, 128>{}); break;
+    case 256: err = run(std::integral_constant<int, 256>{}); break;
+    default: TORCH_CHECK(false, "attention_probe: head dim 64, 128 or 256");
   }
   TORCH_CHECK(err == cudaSuccess, "attention_probe: ", cudaGetErrorString(err));
   return {out, lse};

@@ -58,7 +58,7 @@ def test_tma_box_load_lands_in_the_swizzle_the_descriptors_assume(probe):
 
 @pytest.mark.cuda
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "batch,heads,heads_kv,len_q,len_k",

@@ -28,7 +28,7 @@ cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream
 
 // Hopper forward, version 0: the head-dim buckets it covers (instantiated only when sm_90a is in the arch list;
 // generate_instantiations.py lists the same buckets).
-constexpr bool sm90_fwd_covers(int bucket) { return bucket == 64 || bucket == 128; }
+constexpr bool sm90_fwd_covers(int bucket) { return bucket == 64 || bucket == 128 || bucket == 256; }
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>

@@ -1,5 +1,5 @@
-// Hopper forward, version 0 (issue 4, step 3): warp-specialised, TMA + wgmma. Not wired into the dispatch yet:
-// tests/test_sm90_primitives.py builds and checks it against the reference first.
+// Hopper forward, version 0 (issue 4, step 3): warp-specialised, TMA + wgmma, head dims 64, 128 and 256. Selected
+// with FLASHATTN_FWD_SM90 until it has passed the GPU suite; tests/test_sm90_primitives.py checks its parts first.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread loads the Q block once and K/V blocks into a 2-stage
 // ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), each stage guarded by a
@@ -27,7 +27,9 @@ template <int HeadDim>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows
-  static constexpr int kBlockN = 128;
+  // At D = 256 the O accumulator alone takes 128 registers per consumer thread, and two stages of 128-key K/V
+  // tiles would not fit in shared memory: 64-key blocks there (FA3 uses 80).
+  static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
@@ -42,7 +44,7 @@ struct FwdTraits {
   static constexpr int smem_bytes() {
     return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
   }
-  static_assert(HeadDim == 64 || HeadDim == 128, "version 0 covers head dims 64 and 128");
+  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "version 0 covers head dims 64, 128 and 256");
   // setmaxnreg.inc blocks until registers are free: the rebalanced total must fit what the launch granted
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
