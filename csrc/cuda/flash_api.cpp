@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -30,13 +31,19 @@ int head_dim_bucket(int64_t head_dim) {
   return 0;
 }
 
-// cp.async moves 16-byte chunks: every row must start on a 16-byte boundary.
-bool rows_are_16b_aligned(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int dim = 0; dim < 3; ++dim) {
-    if (t.size(dim) > 1 && t.stride(dim) % 8 != 0) return false;
+// cp.async and TMA move 16-byte chunks: every row must start on a 16-byte boundary. Returns the first rule `t`
+// breaks, worded to follow the tensor's name in an error message; empty if it breaks none.
+std::string row_alignment_violation(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
+    return c10::str(" must be 16-byte aligned (its data pointer is not; its storage offset is ", t.storage_offset(),
+                    ")");
   }
-  return true;
+  for (int dim = 0; dim < 3; ++dim) {
+    if (t.size(dim) > 1 && t.stride(dim) % 8 != 0) {
+      return c10::str(".stride(", dim, ") must be a multiple of 8 elements (16 bytes), got ", t.stride(dim));
+    }
+  }
+  return {};
 }
 
 // CUDA-only rules for the q, k, v the kernels read, shared by fwd and bwd.
@@ -48,12 +55,8 @@ void check_cuda_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256, op,
               ": on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
   for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": ", name,
-                " must be 16-byte aligned (its data pointer is not; its storage offset is ", t->storage_offset(), ")");
-    for (int dim = 0; dim < 3; ++dim) {
-      TORCH_CHECK(t->size(dim) <= 1 || t->stride(dim) % 8 == 0, op, ": ", name, ".stride(", dim,
-                  ") must be a multiple of 8 elements (16 bytes), got ", t->stride(dim));
-    }
+    const std::string violation = row_alignment_violation(*t);
+    TORCH_CHECK(violation.empty(), op, ": ", name, violation);
   }
   // Kernels index rows and blocks with 32-bit ints (offsets into memory are 64-bit); leave headroom for a block.
   constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max() - 256;
@@ -240,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
 
   // Gradients can arrive as arbitrary views (e.g. a narrow of a concatenation); the fused kernels need 16-byte rows.
   const auto aligned = [](const at::Tensor& t) {
-    return rows_are_16b_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+    return row_alignment_violation(t).empty() ? t : t.clone(at::MemoryFormat::Contiguous);
   };
   const at::Tensor dout_rows = aligned(dout);
   const at::Tensor out_rows = aligned(out);
