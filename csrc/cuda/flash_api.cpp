@@ -99,17 +99,18 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   return p;
 }
 
-// FLASHATTN_FWD_SM90=1 sends the forward on Hopper to the TMA + wgmma kernel (version 0, being validated on the
-// GPU), falling back to sm80 where TMA cannot describe the strides; =strict raises instead of falling back, so a
-// test run proves the Hopper kernel ran. It becomes the default once it passes the GPU suite.
+// On Hopper (sm_90) the forward of head-dim buckets 64, 128 and 256 runs the TMA + wgmma kernel; strides TMA cannot
+// describe fall back to the sm80 kernel. FLASHATTN_FWD_SM90 overrides: "0" always uses sm80 (the portable path, for
+// comparison and tests), "strict" raises instead of falling back, so a test run proves the Hopper kernel ran.
 enum class Sm90Mode { kOff, kOn, kStrict };
 
 Sm90Mode sm90_mode() {
   static const Sm90Mode mode = [] {
     const char* env = std::getenv("FLASHATTN_FWD_SM90");
-    if (env == nullptr) return Sm90Mode::kOff;
-    if (std::strcmp(env, "strict") == 0) return Sm90Mode::kStrict;
-    return std::strcmp(env, "1") == 0 ? Sm90Mode::kOn : Sm90Mode::kOff;
+    if (env == nullptr || std::strcmp(env, "1") == 0) return Sm90Mode::kOn;
+    if (std::strcmp(env, "0") == 0) return Sm90Mode::kOff;
+    TORCH_CHECK(std::strcmp(env, "strict") == 0, "FLASHATTN_FWD_SM90 must be 0, 1 or strict, got '", env, "'");
+    return Sm90Mode::kStrict;
   }();
   return mode;
 }

@@ -1,5 +1,5 @@
-// Hopper forward, version 0 (issue 4, step 3): warp-specialised, TMA + wgmma, head dims 64, 128 and 256. Selected
-// with FLASHATTN_FWD_SM90 until it has passed the GPU suite; tests/test_sm90_primitives.py checks its parts first.
+// Hopper forward (issue 4): warp-specialised, TMA + wgmma, head dims 64, 128 and 256; the default on sm_90
+// (FLASHATTN_FWD_SM90=0 selects the sm80 kernel). tests/test_sm90_primitives.py checks its parts one by one.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread loads the Q block once and K/V blocks into a 2-stage
 // ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), each stage guarded by a
