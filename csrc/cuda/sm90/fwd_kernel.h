@@ -2,11 +2,18 @@
 // (FLASHATTN_FWD_SM90=0 selects the sm80 kernel). tests/test_sm90_primitives.py checks its parts one by one.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread loads the Q block once and K/V blocks into a 2-stage
-// ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), each stage guarded by a
-// "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done with it). Warpgroups 1 and 2 each own 64
-// query rows: S = Q K^T with both operands from shared memory, online softmax on the accumulators (rows live in
-// 4-lane quads, as in the sm80 kernel), O += P V with P from registers and V read transposed. No overlap of softmax
-// and GEMMs yet; that is version 1.
+// ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA). Each K and each V stage
+// has a "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done with it), so K of the next block
+// can land while V of the current one is still being read. Warpgroups 1 and 2 each own 64 query rows and run, per
+// key block n (version 1, FlashAttention-3's intra-warpgroup overlap):
+//
+//     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
+//     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
+//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs
+//     wait for P V; rescale O; pack P[n]
+//
+// With kPingPong the two consumers also take turns issuing their GEMMs (two named barriers), so one warpgroup's
+// softmax runs while the other's GEMMs keep the tensor cores busy.
 #pragma once
 
 #include <cuda.h>
@@ -31,6 +38,8 @@ struct FwdTraits {
   // tiles would not fit in shared memory: 64-key blocks there (FA3 uses 80).
   static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
+  // Turn-taking of the consumers' GEMMs; at D = 256 the GEMMs dominate and there is little softmax to hide.
+  static constexpr bool kPingPong = HeadDim <= 128;
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -44,12 +53,140 @@ struct FwdTraits {
   static constexpr int smem_bytes() {
     return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
   }
-  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "version 0 covers head dims 64, 128 and 256");
+  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper forward covers head dims 64, 128, 256");
   // setmaxnreg.inc blocks until registers are free: the rebalanced total must fit what the launch granted
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
+
+// The shared-memory pipeline: Q once, K and V stages, each with its "full" and "empty" mbarriers.
+template <typename T, typename Traits>
+struct SharedStorage {
+  T* q;                   // [kColumnBlocks][kBlockM][64]
+  T* k;                   // [kStages][kColumnBlocks][kBlockN][64]
+  T* v;
+  uint64_t* q_full;
+  uint64_t* k_full;       // [kStages]
+  uint64_t* v_full;
+  uint64_t* k_empty;
+  uint64_t* v_empty;
+
+  __device__ explicit SharedStorage(unsigned char* raw) {
+    // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
+    q = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    k = q + Traits::kTileQ;
+    v = k + Traits::kStages * Traits::kTileKV;
+    q_full = reinterpret_cast<uint64_t*>(v + Traits::kStages * Traits::kTileKV);
+    k_full = q_full + 1;
+    v_full = k_full + Traits::kStages;
+    k_empty = v_full + Traits::kStages;
+    v_empty = k_empty + Traits::kStages;
+  }
+  __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }
+  __device__ T* v_stage(int stage) const { return v + stage * Traits::kTileKV; }
+};
+
+// S = Q K^T for this warpgroup's 64 rows: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next
+// 64-column sub-tile. Issued and committed as one group; the caller waits.
+template <typename T, typename Traits>
+__device__ __forceinline__ void issue_qk(float (&s)[Traits::kBlockN / 2], const T* q_rows, const T* k_tile) {
+  wgmma_fence_registers(s);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int c = kk / 4, k_in_row = (kk % 4) * 16;
+    Wgmma<T, Traits::kBlockN>::template ss<false>(s, smem_desc_sw128(q_rows + c * Traits::kSubTileQ + k_in_row),
+                                                  smem_desc_sw128(k_tile + c * Traits::kSubTileKV + k_in_row), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// O += P V: V (keys x D) is MN-major; a k16 step is 16 rows (2 KB) down the sub-tiles, and the leading byte offset
+// is the distance between 64-column sub-tiles.
+template <typename T, typename Traits>
+__device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint32_t (&p)[Traits::kBlockN / 16][4],
+                                         const T* v_tile) {
+  wgmma_fence_registers(o);  // the rescale and the P packing must land before the wgmmas read them
+  wgmma_fence_registers(p);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    Wgmma<T, Traits::kHeadDim>::template rs<true>(
+        o, p[kk], smem_desc_sw128(v_tile + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)), true);
+  }
+  wgmma_commit();
+}
+
+// Online softmax over one block of scores, in place: s becomes exp2(s * scale_log2 - row max) (masked entries 0),
+// the running max and sum of the thread's two rows (h = 0, 1: rows r and r + 8) are updated, and the factor the
+// old O rows must be multiplied by is returned in rescale. Rows live in 4-lane quads, as in the sm80 kernel.
+template <int kBlockN>
+struct RowSoftmax {
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  // last_col[h]: the last key column (relative to the block, already minus this lane's column offset) row h may
+  // see; needs_mask false skips the comparisons on blocks that are fully inside the ragged and causal limits.
+  __device__ __forceinline__ void update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
+                                         const int (&last_col)[2], float (&rescale)[2]) {
+    if (needs_mask || negate) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[4 * j + 2 * h + c];
+            if (negate) x = -x;
+            if (needs_mask && 8 * j + c > last_col[h]) x = -INFINITY;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = row_max[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+      const float base = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+      rescale[h] = sm80::fast_exp2(row_max[h] * scale_log2 - base);
+      row_max[h] = block_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
+          sum += x;
+        }
+      }
+      row_sum[h] = row_sum[h] * rescale[h] + sum;
+    }
+  }
+};
+
+// P as wgmma A fragments: k16 step kk over the keys covers accumulator tiles 2 kk and 2 kk + 1.
+template <typename T, int kBlockN>
+__device__ __forceinline__ void pack_p(uint32_t (&p)[kBlockN / 16][4], const float (&s)[kBlockN / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[kk][i] = sm80::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+  }
+}
+
+template <int kHeadDim>
+__device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float (&rescale)[2]) {
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[4 * j + i] *= rescale[i / 2];
+  }
+}
 
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
@@ -64,7 +201,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
   const int m_index = blockIdx.x % num_m_blocks;
-  const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
+  const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;  // causal: the longest rows first
   const int head = (blockIdx.x / num_m_blocks) % p.heads;
   const int batch = blockIdx.x / num_m_blocks / p.heads;
   const int kv_head = head / p.heads_per_kv;
@@ -88,22 +225,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   extern __shared__ unsigned char smem_raw[];
-  // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
-  T* const sQ = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  T* const sK = sQ + Traits::kTileQ;           // [kStages][kColumnBlocks][kBlockN][64]
-  T* const sV = sK + kStages * Traits::kTileKV;
-  uint64_t* const bars = reinterpret_cast<uint64_t*>(sV + kStages * Traits::kTileKV);
-  uint64_t* const q_full = bars;
-  uint64_t* const k_full = bars + 1;
-  uint64_t* const v_full = k_full + kStages;
-  uint64_t* const kv_empty = v_full + kStages;
-
+  const SharedStorage<T, Traits> smem(smem_raw);
   if (threadIdx.x == 0) {
-    mbarrier_init(q_full, 1);
+    mbarrier_init(smem.q_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&k_full[s], 1);
-      mbarrier_init(&v_full[s], 1);
-      mbarrier_init(&kv_empty[s], 2 * 128);  // every consumer thread arrives once it has read the stage
+      mbarrier_init(&smem.k_full[s], 1);
+      mbarrier_init(&smem.v_full[s], 1);
+      mbarrier_init(&smem.k_empty[s], 2 * 128);  // every consumer thread arrives once it has read the stage
+      mbarrier_init(&smem.v_empty[s], 2 * 128);
     }
     fence_barrier_init();
   }
@@ -113,25 +242,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x == 0) {
-      mbarrier_arrive_expect_tx(q_full, Traits::kTileQ * sizeof(T));
+      mbarrier_arrive_expect_tx(smem.q_full, Traits::kTileQ * sizeof(T));
       for (int c = 0; c < kColumnBlocks; ++c) {
-        tma_load_4d(sQ + c * Traits::kSubTileQ, &q_map, q_full, 64 * c, m_start, head, batch);
+        tma_load_4d(smem.q + c * Traits::kSubTileQ, &q_map, smem.q_full, 64 * c, m_start, head, batch);
       }
+      // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
+      // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
       for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
         const int stage = n_block % kStages;
         const int use = n_block / kStages;
-        if (use > 0) mbarrier_wait(&kv_empty[stage], (use - 1) & 1);
-        T* const k_stage = sK + stage * Traits::kTileKV;
-        T* const v_stage = sV + stage * Traits::kTileKV;
-        mbarrier_arrive_expect_tx(&k_full[stage], Traits::kTileKV * sizeof(T));
+        const int row = n_block * kBlockN;
+        if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
+        mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
-          tma_load_4d(k_stage + c * Traits::kSubTileKV, &k_map, &k_full[stage], 64 * c, n_block * kBlockN, kv_head,
-                      batch);
+          tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
+                      kv_head, batch);
         }
-        mbarrier_arrive_expect_tx(&v_full[stage], Traits::kTileKV * sizeof(T));
+        if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
+        mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
-          tma_load_4d(v_stage + c * Traits::kSubTileKV, &v_map, &v_full[stage], 64 * c, n_block * kBlockN, kv_head,
-                      batch);
+          tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
+                      kv_head, batch);
         }
       }
     }
@@ -144,124 +275,103 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp = (threadIdx.x / 32) % 4;  // warp inside the warpgroup: 16 rows each
   const int lane = threadIdx.x % 32;
   const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
-  T* const sQ_rows = sQ + consumer * 64 * 64;  // this warpgroup's 64 rows inside each 64-column sub-tile
+  const T* const q_rows = smem.q + consumer * 64 * 64;  // this warpgroup's 64 rows inside each 64-column sub-tile
+
+  // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the other one go. Both see
+  // the same number of blocks; consumer 0 starts, and consumer 1 skips its last hand-over so no arrival is left.
+  const auto wait_turn = [&] {
+    if constexpr (Traits::kPingPong) named_barrier_sync(1 + consumer, 256);
+  };
+  const auto pass_turn = [&](bool last) {
+    if constexpr (Traits::kPingPong) {
+      if (!(last && consumer == 1)) named_barrier_arrive(2 - consumer, 256);
+    }
+  };
+  if constexpr (Traits::kPingPong) {
+    if (consumer == 1) named_barrier_arrive(1, 256);
+  }
 
   const bool negate = p.scale_log2 < 0.f;
   const float scale_log2 = fabsf(p.scale_log2);
+  // Mask needed: the block reaches past L_k, or (causal) past the diagonal of the block's first row.
+  const auto needs_mask = [&](int n_start) {
+    return n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+  };
+  const auto last_cols = [&](int n_start, int (&last_col)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int last = p.len_k - 1;
+      if (kCausal) last = min(last, m_start + row_in_block0 + 8 * h + causal_shift);
+      last_col[h] = last - n_start - 2 * (lane % 4);
+    }
+  };
+
   float o[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};
+  float s[kBlockN / 2];
+  uint32_t p_frag[kBlockN / 16][4];
+  RowSoftmax<kBlockN> softmax;
+  float rescale[2];
+  int last_col[2];
 
-  mbarrier_wait(q_full, 0);
-  for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+  // Block 0: S only (there is no P yet).
+  mbarrier_wait(smem.q_full, 0);
+  mbarrier_wait(&smem.k_full[0], 0);
+  wait_turn();
+  issue_qk<T, Traits>(s, q_rows, smem.k_stage(0));
+  pass_turn(num_n_blocks == 1);
+  wgmma_wait<0>();
+  wgmma_fence_registers(s);
+  mbarrier_arrive(&smem.k_empty[0]);
+  last_cols(0, last_col);
+  softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
+  pack_p<T, kBlockN>(p_frag, s);
+
+  for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
     const int stage = n_block % kStages;
-    const uint32_t parity = (n_block / kStages) & 1;
+    const int prev = (n_block - 1) % kStages;
     const int n_start = n_block * kBlockN;
-    T* const k_stage = sK + stage * Traits::kTileKV;
-    T* const v_stage = sV + stage * Traits::kTileKV;
+    mbarrier_wait(&smem.k_full[stage], (n_block / kStages) & 1);
+    wait_turn();
+    issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
+    mbarrier_wait(&smem.v_full[prev], ((n_block - 1) / kStages) & 1);
+    issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
+    pass_turn(n_block == num_n_blocks - 1);
 
-    // S = Q K^T: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next 64-column sub-tile.
-    float s[kBlockN / 2];
-    mbarrier_wait(&k_full[stage], parity);
+    wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
     wgmma_fence_registers(s);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const int c = kk / 4, k_in_row = (kk % 4) * 16;
-      Wgmma<T, kBlockN>::template ss<false>(s, smem_desc_sw128(sQ_rows + c * Traits::kSubTileQ + k_in_row),
-                                            smem_desc_sw128(k_stage + c * Traits::kSubTileKV + k_in_row), kk > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_registers(s);
+    mbarrier_arrive(&smem.k_empty[stage]);
+    last_cols(n_start, last_col);
+    softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
 
-    // Masks (ragged end, causal diagonal) and sign; then the online softmax on rows h = 0, 1 of this thread.
-    const bool needs_mask =
-        n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
-    if (needs_mask || negate) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int last_col = p.len_k - 1;
-        if (kCausal) last_col = min(last_col, m_start + row_in_block0 + 8 * h + causal_shift);
-        last_col -= n_start + 2 * (lane % 4);
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& x = s[4 * j + 2 * h + c];
-            if (negate) x = -x;
-            if (needs_mask && 8 * j + c > last_col) x = -INFINITY;
-          }
-        }
-      }
-    }
-    float rescale[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float block_max = row_max[h];
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
-      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
-      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
-      const float base = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-      rescale[h] = sm80::fast_exp2(row_max[h] * scale_log2 - base);
-      row_max[h] = block_max;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * j + 2 * h + c];
-          x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
-          sum += x;
-        }
-      }
-      row_sum[h] = row_sum[h] * rescale[h] + sum;
-    }
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[4 * j + i] *= rescale[i / 2];
-    }
-
-    // P as A fragments: k16 step kk over keys covers accumulator tiles 2 kk and 2 kk + 1.
-    uint32_t p_frag[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) p_frag[kk][i] = sm80::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-    }
-
-    // O += P V: V (keys x D) is MN-major; a k16 step is 16 rows (2 KB) down the sub-tiles, and the leading byte
-    // offset is the distance between 64-column sub-tiles.
-    mbarrier_wait(&v_full[stage], parity);
-    wgmma_fence_registers(o);  // the rescale and the P packing must land before the wgmmas read them
-    wgmma_fence_registers(p_frag);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      Wgmma<T, kHeadDim>::template rs<true>(
-          o, p_frag[kk], smem_desc_sw128(v_stage + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)), true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // O and the P registers are free again
     wgmma_fence_registers(o);
-    mbarrier_arrive(&kv_empty[stage]);
+    wgmma_fence_registers(p_frag);
+    mbarrier_arrive(&smem.v_empty[prev]);
+    rescale_o<kHeadDim>(o, rescale);
+    pack_p<T, kBlockN>(p_frag, s);
   }
+
+  // The last P V.
+  const int last = (num_n_blocks - 1) % kStages;
+  mbarrier_wait(&smem.v_full[last], ((num_n_blocks - 1) / kStages) & 1);
+  issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
+  wgmma_wait<0>();
+  wgmma_fence_registers(o);
+  mbarrier_arrive(&smem.v_empty[last]);
 
   // Epilogue: normalise, lse, direct 4-byte stores of O (rows past Lq and columns past D skipped).
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float sum = row_sum[h];
+    float sum = softmax.row_sum[h];
     sum += __shfl_xor_sync(0xffffffff, sum, 1);
     sum += __shfl_xor_sync(0xffffffff, sum, 2);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int row = m_start + row_in_block0 + 8 * h;
     if (row < p.len_q) {
-      if (lane % 4 == 0) lse_base[row] = sum > 0.f ? (row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+      if (lane % 4 == 0) lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; ++j) {
