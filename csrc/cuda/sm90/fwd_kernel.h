@@ -1,11 +1,13 @@
 // Hopper forward (issue 4): warp-specialised, TMA + wgmma, head dims 64, 128 and 256; the default on sm_90
-// (FLASHATTN_FWD_SM90=0 selects the sm80 kernel). tests/test_sm90_primitives.py checks its parts one by one.
+// (FLASHATTN_FWD_SM90=0 selects the sm80 kernel). tests/test_sm90_primitives.py checks its parts one by one;
+// benchmarks/NOTES.md logs each version's figures.
 //
-// CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread loads the Q block once and K/V blocks into a 2-stage
-// ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA). Each K and each V stage
-// has a "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done with it), so K of the next block
-// can land while V of the current one is still being read. Warpgroups 1 and 2 each own 64 query rows and run, per
-// key block n (version 1, FlashAttention-3's intra-warpgroup overlap):
+// Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 3
+// warpgroups. Warpgroup 0 is the producer: one thread loads each tile's Q and its K/V blocks into a 2-stage ring
+// with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), running ahead into the next
+// tile. Q and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done
+// with it). Warpgroups 1 and 2 each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
+// overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
@@ -19,6 +21,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -34,21 +37,21 @@ template <int HeadDim>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows
-  // At D = 256 the O accumulator alone takes 128 registers per consumer thread, and two stages of 128-key K/V
-  // tiles would not fit in shared memory: 64-key blocks there (FA3 uses 80).
-  static constexpr int kBlockN = HeadDim <= 128 ? 128 : 64;
+  // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1): wider blocks amortise the per-block
+  // barrier and rescale work; at D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
+  static constexpr int kBlockN = HeadDim == 64 ? 192 : HeadDim == 128 ? 176 : 80;
   static constexpr int kStages = 2;
-  // Turn-taking of the consumers' GEMMs; at D = 256 the GEMMs dominate and there is little softmax to hide.
-  static constexpr bool kPingPong = HeadDim <= 128;
+  // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
+  static constexpr bool kPingPong = true;
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
   static constexpr int kTileKV = kBlockN * HeadDim;
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kSubTileKV = kBlockN * 64;
-  // Producer keeps few registers, consumers get the rest: 40 * 128 + 2 * 232 * 128 <= 64K.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // Producer keeps few registers, consumers get the rest: 24 * 128 + 2 * 240 * 128 <= 64K.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
   template <typename T>
   static constexpr int smem_bytes() {
     return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
@@ -67,6 +70,7 @@ struct SharedStorage {
   T* k;                   // [kStages][kColumnBlocks][kBlockN][64]
   T* v;
   uint64_t* q_full;
+  uint64_t* q_empty;
   uint64_t* k_full;       // [kStages]
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -78,7 +82,8 @@ struct SharedStorage {
     k = q + Traits::kTileQ;
     v = k + Traits::kStages * Traits::kTileKV;
     q_full = reinterpret_cast<uint64_t*>(v + Traits::kStages * Traits::kTileKV);
-    k_full = q_full + 1;
+    q_empty = q_full + 1;
+    k_full = q_full + 2;
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
@@ -188,6 +193,29 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
   }
 }
 
+// One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees.
+template <typename Traits, bool kCausal>
+struct Tile {
+  int m_start, m_end, head, batch, kv_head, num_n_blocks;
+
+  // Tiles are numbered with the query block fastest, so the CTAs running at one time share K/V in L2; under a
+  // causal mask each head's longest rows come first.
+  __device__ Tile(int64_t index, int num_m_blocks, const FwdParams& p) {
+    const int m_index = static_cast<int>(index % num_m_blocks);
+    const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
+    head = static_cast<int>((index / num_m_blocks) % p.heads);
+    batch = static_cast<int>(index / num_m_blocks / p.heads);
+    kv_head = head / p.heads_per_kv;
+    m_start = m_block * Traits::kBlockM;
+    m_end = min(m_start + Traits::kBlockM, p.len_q);
+    const int n_end = kCausal ? max(0, min(p.len_k, m_end + p.len_k - p.len_q)) : p.len_k;
+    num_n_blocks = (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
+  }
+};
+
+// Persistent: one CTA per SM walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the producer runs ahead into the
+// next tile (its Q as soon as the consumers are done with the last one, its K/V through the same ring), so loads
+// and the first GEMM of a tile overlap the epilogue of the previous one.
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -198,36 +226,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
   constexpr int kColumnBlocks = Traits::kColumnBlocks;
+  using TileT = Tile<Traits, kCausal>;
 
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int m_index = blockIdx.x % num_m_blocks;
-  const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;  // causal: the longest rows first
-  const int head = (blockIdx.x / num_m_blocks) % p.heads;
-  const int batch = blockIdx.x / num_m_blocks / p.heads;
-  const int kv_head = head / p.heads_per_kv;
-  const int m_start = m_block * kBlockM;
-  const int m_end = min(m_start + kBlockM, p.len_q);
-  const int causal_shift = p.len_k - p.len_q;
-  const int n_end = kCausal ? max(0, min(p.len_k, m_end + causal_shift)) : p.len_k;
-  const int num_n_blocks = (n_end + kBlockN - 1) / kBlockN;
-
-  T* const o_base = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
-  float* const lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
-
-  if (num_n_blocks == 0) {  // no row of this block sees a key: out = 0, lse = -inf (CTA-uniform)
-    const int pairs_per_row = p.head_dim / 2;
-    for (int i = threadIdx.x; i < (m_end - m_start) * pairs_per_row; i += blockDim.x) {
-      const int row = m_start + i / pairs_per_row;
-      *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
-    }
-    for (int row = m_start + threadIdx.x; row < m_end; row += blockDim.x) lse_base[row] = -INFINITY;
-    return;
-  }
+  const int64_t num_tiles = static_cast<int64_t>(num_m_blocks) * p.heads * p.batch;
 
   extern __shared__ unsigned char smem_raw[];
   const SharedStorage<T, Traits> smem(smem_raw);
   if (threadIdx.x == 0) {
     mbarrier_init(smem.q_full, 1);
+    mbarrier_init(smem.q_empty, 2 * 128);  // every consumer thread arrives once its last S GEMM of the tile is done
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.k_full[s], 1);
       mbarrier_init(&smem.v_full[s], 1);
@@ -238,31 +246,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
+  // Both sides count the same things in the same order: Q loads (tiles with at least one key block) and K/V
+  // blocks; a count gives the ring stage and the mbarrier phase parity.
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x != 0) return;
+    int q_loads = 0, kv_loads = 0;
+    for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+      const TileT tile(index, num_m_blocks, p);
+      if (tile.num_n_blocks == 0) continue;
+      if (q_loads > 0) mbarrier_wait(smem.q_empty, (q_loads - 1) & 1);
+      ++q_loads;
       mbarrier_arrive_expect_tx(smem.q_full, Traits::kTileQ * sizeof(T));
       for (int c = 0; c < kColumnBlocks; ++c) {
-        tma_load_4d(smem.q + c * Traits::kSubTileQ, &q_map, smem.q_full, 64 * c, m_start, head, batch);
+        tma_load_4d(smem.q + c * Traits::kSubTileQ, &q_map, smem.q_full, 64 * c, tile.m_start, tile.head, tile.batch);
       }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
       // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
-      for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
-        const int stage = n_block % kStages;
-        const int use = n_block / kStages;
+      for (int n_block = 0; n_block < tile.num_n_blocks; ++n_block, ++kv_loads) {
+        const int stage = kv_loads % kStages;
+        const int use = kv_loads / kStages;
         const int row = n_block * kBlockN;
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
-                      kv_head, batch);
+                      tile.kv_head, tile.batch);
         }
         if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
         mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
-                      kv_head, batch);
+                      tile.kv_head, tile.batch);
         }
       }
     }
@@ -278,7 +294,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const T* const q_rows = smem.q + consumer * 64 * 64;  // this warpgroup's 64 rows inside each 64-column sub-tile
 
   // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the other one go. Both see
-  // the same number of blocks; consumer 0 starts, and consumer 1 skips its last hand-over so no arrival is left.
+  // the same blocks; in each tile consumer 0 starts, and consumer 1 skips its last hand-over, so no arrival is
+  // left over when the tile ends.
   const auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(1 + consumer, 256);
   };
@@ -287,97 +304,128 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (!(last && consumer == 1)) named_barrier_arrive(2 - consumer, 256);
     }
   };
-  if constexpr (Traits::kPingPong) {
-    if (consumer == 1) named_barrier_arrive(1, 256);
-  }
 
   const bool negate = p.scale_log2 < 0.f;
   const float scale_log2 = fabsf(p.scale_log2);
-  // Mask needed: the block reaches past L_k, or (causal) past the diagonal of the block's first row.
-  const auto needs_mask = [&](int n_start) {
-    return n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
-  };
-  const auto last_cols = [&](int n_start, int (&last_col)[2]) {
+  const int causal_shift = p.len_k - p.len_q;
+  int q_loads = 0, kv_loads = 0;
+
+  for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+    const TileT tile(index, num_m_blocks, p);
+    T* const o_base = static_cast<T*>(p.out) + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride;
+    float* const lse_base = p.lse + (static_cast<int64_t>(tile.batch) * p.heads + tile.head) * p.len_q;
+
+    if (tile.num_n_blocks == 0) {  // no row of this tile sees a key: out = 0, lse = -inf
+      const int pairs_per_row = p.head_dim / 2;
+      const int thread = threadIdx.x - 128;
+      for (int i = thread; i < (tile.m_end - tile.m_start) * pairs_per_row; i += 256) {
+        const int row = tile.m_start + i / pairs_per_row;
+        *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
+      }
+      for (int row = tile.m_start + thread; row < tile.m_end; row += 256) lse_base[row] = -INFINITY;
+      continue;
+    }
+
+    // Mask needed: the block reaches past L_k, or (causal) past the diagonal of the tile's first row.
+    const auto needs_mask = [&](int n_start) {
+      return n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > tile.m_start + causal_shift);
+    };
+    const auto last_cols = [&](int n_start, int (&last_col)[2]) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int last = p.len_k - 1;
+        if (kCausal) last = min(last, tile.m_start + row_in_block0 + 8 * h + causal_shift);
+        last_col[h] = last - n_start - 2 * (lane % 4);
+      }
+    };
+    const int num_n_blocks = tile.num_n_blocks;
+    const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
+    const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
+
+    float o[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    float s[kBlockN / 2];
+    uint32_t p_frag[kBlockN / 16][4];
+    RowSoftmax<kBlockN> softmax;
+    float rescale[2];
+    int last_col[2];
+
+    if constexpr (Traits::kPingPong) {
+      if (consumer == 1) named_barrier_arrive(1, 256);
+    }
+
+    // Block 0: S only (there is no P yet).
+    mbarrier_wait(smem.q_full, q_loads & 1);
+    ++q_loads;
+    mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
+    wait_turn();
+    issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(0)));
+    pass_turn(num_n_blocks == 1);
+    wgmma_wait<0>();
+    wgmma_fence_registers(s);
+    mbarrier_arrive(&smem.k_empty[stage_of(0)]);
+    if (num_n_blocks == 1) mbarrier_arrive(smem.q_empty);
+    last_cols(0, last_col);
+    softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
+    pack_p<T, kBlockN>(p_frag, s);
+
+    for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
+      const int stage = stage_of(n_block);
+      const int prev = stage_of(n_block - 1);
+      const int n_start = n_block * kBlockN;
+      mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
+      wait_turn();
+      issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
+      mbarrier_wait(&smem.v_full[prev], parity_of(n_block - 1));
+      issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
+      pass_turn(n_block == num_n_blocks - 1);
+
+      wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
+      wgmma_fence_registers(s);
+      mbarrier_arrive(&smem.k_empty[stage]);
+      if (n_block == num_n_blocks - 1) mbarrier_arrive(smem.q_empty);  // the producer may load the next Q
+      last_cols(n_start, last_col);
+      softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
+
+      wgmma_wait<0>();  // O and the P registers are free again
+      wgmma_fence_registers(o);
+      wgmma_fence_registers(p_frag);
+      mbarrier_arrive(&smem.v_empty[prev]);
+      rescale_o<kHeadDim>(o, rescale);
+      pack_p<T, kBlockN>(p_frag, s);
+    }
+
+    // The last P V.
+    const int last = stage_of(num_n_blocks - 1);
+    mbarrier_wait(&smem.v_full[last], parity_of(num_n_blocks - 1));
+    issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
+    wgmma_wait<0>();
+    wgmma_fence_registers(o);
+    mbarrier_arrive(&smem.v_empty[last]);
+    kv_loads += num_n_blocks;
+
+    // Epilogue: normalise, lse, direct 4-byte stores of O (rows past Lq and columns past D skipped).
+    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      int last = p.len_k - 1;
-      if (kCausal) last = min(last, m_start + row_in_block0 + 8 * h + causal_shift);
-      last_col[h] = last - n_start - 2 * (lane % 4);
-    }
-  };
-
-  float o[kHeadDim / 2];
+      float sum = softmax.row_sum[h];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = tile.m_start + row_in_block0 + 8 * h;
+      if (row < p.len_q) {
+        if (lane % 4 == 0) {
+          lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+        }
+        T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  float s[kBlockN / 2];
-  uint32_t p_frag[kBlockN / 16][4];
-  RowSoftmax<kBlockN> softmax;
-  float rescale[2];
-  int last_col[2];
-
-  // Block 0: S only (there is no P yet).
-  mbarrier_wait(smem.q_full, 0);
-  mbarrier_wait(&smem.k_full[0], 0);
-  wait_turn();
-  issue_qk<T, Traits>(s, q_rows, smem.k_stage(0));
-  pass_turn(num_n_blocks == 1);
-  wgmma_wait<0>();
-  wgmma_fence_registers(s);
-  mbarrier_arrive(&smem.k_empty[0]);
-  last_cols(0, last_col);
-  softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
-  pack_p<T, kBlockN>(p_frag, s);
-
-  for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
-    const int stage = n_block % kStages;
-    const int prev = (n_block - 1) % kStages;
-    const int n_start = n_block * kBlockN;
-    mbarrier_wait(&smem.k_full[stage], (n_block / kStages) & 1);
-    wait_turn();
-    issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
-    mbarrier_wait(&smem.v_full[prev], ((n_block - 1) / kStages) & 1);
-    issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
-    pass_turn(n_block == num_n_blocks - 1);
-
-    wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
-    wgmma_fence_registers(s);
-    mbarrier_arrive(&smem.k_empty[stage]);
-    last_cols(n_start, last_col);
-    softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
-
-    wgmma_wait<0>();  // O and the P registers are free again
-    wgmma_fence_registers(o);
-    wgmma_fence_registers(p_frag);
-    mbarrier_arrive(&smem.v_empty[prev]);
-    rescale_o<kHeadDim>(o, rescale);
-    pack_p<T, kBlockN>(p_frag, s);
-  }
-
-  // The last P V.
-  const int last = (num_n_blocks - 1) % kStages;
-  mbarrier_wait(&smem.v_full[last], ((num_n_blocks - 1) / kStages) & 1);
-  issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
-  wgmma_wait<0>();
-  wgmma_fence_registers(o);
-  mbarrier_arrive(&smem.v_empty[last]);
-
-  // Epilogue: normalise, lse, direct 4-byte stores of O (rows past Lq and columns past D skipped).
-  constexpr float kLn2 = 0.6931471805599453f;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = softmax.row_sum[h];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int row = m_start + row_in_block0 + 8 * h;
-    if (row < p.len_q) {
-      if (lane % 4 == 0) lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
-      T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-        const int col = 8 * j + 2 * (lane % 4);
-        if (col < p.head_dim) {  // head_dim is a multiple of 8: the pair is in range and 4-byte aligned
-          *reinterpret_cast<uint32_t*>(out_row + col) = sm80::pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          const int col = 8 * j + 2 * (lane % 4);
+          if (col < p.head_dim) {  // head_dim is a multiple of 8: the pair is in range and 4-byte aligned
+            *reinterpret_cast<uint32_t*>(out_row + col) =
+                sm80::pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+          }
         }
       }
     }
@@ -403,12 +451,19 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if (!ok) return cudaErrorNotSupported;
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
+  static_assert(kSmemBytes <= 227 * 1024, "Q and the K/V stages exceed the 227 KB of shared memory per block");
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky; leave no error behind for the sm80 launch
     return cudaErrorNotSupported;
   }
+  int device = 0, num_sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return cudaGetLastError();
+  }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const dim3 grid(static_cast<unsigned>(num_m_blocks * params.heads * params.batch));
+  const int64_t num_tiles = num_m_blocks * params.heads * params.batch;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, num_sms)));  // persistent: one CTA per SM
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, params);
   return cudaGetLastError();
 }
