@@ -75,6 +75,9 @@ struct SharedStorage {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
+  uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
+  uint64_t* tile_empty;   // [2]: both consumers have read it
+  int* tile_index;        // [2]
 
   __device__ explicit SharedStorage(unsigned char* raw) {
     // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
@@ -87,6 +90,9 @@ struct SharedStorage {
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
+    tile_full = v_empty + Traits::kStages;
+    tile_empty = tile_full + 2;
+    tile_index = reinterpret_cast<int*>(tile_empty + 2);
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::kTileKV; }
@@ -193,29 +199,38 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
   }
 }
 
-// One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees.
+// One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees. Only what the
+// main loop needs is kept; the rest is derived where it is used (the consumers are short of registers).
 template <typename Traits, bool kCausal>
 struct Tile {
-  int m_start, m_end, head, batch, kv_head, num_n_blocks;
+  int m_start, head, batch, num_n_blocks;
 
   // Tiles are numbered with the query block fastest, so the CTAs running at one time share K/V in L2; under a
   // causal mask each head's longest rows come first.
-  __device__ Tile(int64_t index, int num_m_blocks, const FwdParams& p) {
-    const int m_index = static_cast<int>(index % num_m_blocks);
+  __device__ Tile(int index, int num_m_blocks, const FwdParams& p) {
+    const int m_index = index % num_m_blocks;
     const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
-    head = static_cast<int>((index / num_m_blocks) % p.heads);
-    batch = static_cast<int>(index / num_m_blocks / p.heads);
-    kv_head = head / p.heads_per_kv;
+    head = (index / num_m_blocks) % p.heads;
+    batch = index / num_m_blocks / p.heads;
     m_start = m_block * Traits::kBlockM;
-    m_end = min(m_start + Traits::kBlockM, p.len_q);
-    const int n_end = kCausal ? max(0, min(p.len_k, m_end + p.len_k - p.len_q)) : p.len_k;
+    const int n_end = kCausal ? max(0, min(p.len_k, m_end(p) + p.len_k - p.len_q)) : p.len_k;
     num_n_blocks = (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
+  }
+  __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, p.len_q); }
+  __device__ int kv_head(const FwdParams& p) const { return head / p.heads_per_kv; }
+  template <typename T>
+  __device__ T* out(const FwdParams& p) const {
+    return static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
+  }
+  __device__ float* lse(const FwdParams& p) const {
+    return p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
   }
 };
 
-// Persistent: one CTA per SM walks tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the producer runs ahead into the
-// next tile (its Q as soon as the consumers are done with the last one, its K/V through the same ring), so loads
-// and the first GEMM of a tile overlap the epilogue of the previous one.
+// Persistent: one CTA per SM. Its first tile is blockIdx.x; the producer picks each next one (a fixed stride, or
+// from params.tile_counter) and hands its index to the consumers through a 2-slot mailbox in shared memory. It runs
+// ahead into the next tile (its Q as soon as the consumers are done with the last one, its K/V through the same
+// ring), so loads and the first GEMM of a tile overlap the epilogue of the previous one.
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -229,7 +244,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using TileT = Tile<Traits, kCausal>;
 
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int64_t num_tiles = static_cast<int64_t>(num_m_blocks) * p.heads * p.batch;
+  const int num_tiles = num_m_blocks * p.heads * p.batch;  // flash_api bounds it well below 2^31
 
   extern __shared__ unsigned char smem_raw[];
   const SharedStorage<T, Traits> smem(smem_raw);
@@ -242,6 +257,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.k_empty[s], 2 * 128);  // every consumer thread arrives once it has read the stage
       mbarrier_init(&smem.v_empty[s], 2 * 128);
     }
+    for (int slot = 0; slot < 2; ++slot) {
+      mbarrier_init(&smem.tile_full[slot], 1);
+      mbarrier_init(&smem.tile_empty[slot], 2 * 128);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -253,14 +272,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
-    for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+    int index = blockIdx.x;
+    for (int j = 0;; ++j) {  // publish tile j's index (-1: done) to the consumers, then load it
+      const int slot = j % 2;
+      if (j >= 2) mbarrier_wait(&smem.tile_empty[slot], ((j / 2) - 1) & 1);
+      smem.tile_index[slot] = index < num_tiles ? index : -1;
+      mbarrier_arrive(&smem.tile_full[slot]);
+      if (index >= num_tiles) break;
       const TileT tile(index, num_m_blocks, p);
-      if (tile.num_n_blocks == 0) continue;
-      if (q_loads > 0) mbarrier_wait(smem.q_empty, (q_loads - 1) & 1);
-      ++q_loads;
-      mbarrier_arrive_expect_tx(smem.q_full, Traits::kTileQ * sizeof(T));
-      for (int c = 0; c < kColumnBlocks; ++c) {
-        tma_load_4d(smem.q + c * Traits::kSubTileQ, &q_map, smem.q_full, 64 * c, tile.m_start, tile.head, tile.batch);
+      if (tile.num_n_blocks > 0) {
+        if (q_loads > 0) mbarrier_wait(smem.q_empty, (q_loads - 1) & 1);
+        ++q_loads;
+        mbarrier_arrive_expect_tx(smem.q_full, Traits::kTileQ * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(smem.q + c * Traits::kSubTileQ, &q_map, smem.q_full, 64 * c, tile.m_start, tile.head,
+                      tile.batch);
+        }
       }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
       // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
@@ -272,15 +299,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
-                      tile.kv_head, tile.batch);
+                      tile.kv_head(p), tile.batch);
         }
         if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
         mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
-                      tile.kv_head, tile.batch);
+                      tile.kv_head(p), tile.batch);
         }
       }
+      // Causal tiles differ in length: take the next one when this one is issued (the longest rows of each head
+      // come first, so this is longest-first within a head). Otherwise a fixed stride.
+      index = p.tile_counter != nullptr ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
     }
     return;
   }
@@ -310,19 +340,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
 
-  for (int64_t index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+  for (int j = 0;; ++j) {
+    const int slot = j % 2;
+    mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
+    const int index = smem.tile_index[slot];
+    mbarrier_arrive(&smem.tile_empty[slot]);
+    if (index < 0) break;
     const TileT tile(index, num_m_blocks, p);
-    T* const o_base = static_cast<T*>(p.out) + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride;
-    float* const lse_base = p.lse + (static_cast<int64_t>(tile.batch) * p.heads + tile.head) * p.len_q;
-
     if (tile.num_n_blocks == 0) {  // no row of this tile sees a key: out = 0, lse = -inf
+      T* const o_base = tile.template out<T>(p);
+      float* const lse_base = tile.lse(p);
+      const int m_end = tile.m_end(p);
       const int pairs_per_row = p.head_dim / 2;
       const int thread = threadIdx.x - 128;
-      for (int i = thread; i < (tile.m_end - tile.m_start) * pairs_per_row; i += 256) {
+      for (int i = thread; i < (m_end - tile.m_start) * pairs_per_row; i += 256) {
         const int row = tile.m_start + i / pairs_per_row;
         *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
       }
-      for (int row = tile.m_start + thread; row < tile.m_end; row += 256) lse_base[row] = -INFINITY;
+      for (int row = tile.m_start + thread; row < m_end; row += 256) lse_base[row] = -INFINITY;
       continue;
     }
 
@@ -407,6 +442,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Epilogue: normalise, lse, direct 4-byte stores of O (rows past Lq and columns past D skipped).
     constexpr float kLn2 = 0.6931471805599453f;
+    T* const o_base = tile.template out<T>(p);
+    float* const lse_base = tile.lse(p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = softmax.row_sum[h];
