@@ -33,13 +33,17 @@
 
 namespace flashattn::sm90 {
 
-template <int HeadDim>
+template <int HeadDim, bool Causal>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows
-  // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1): wider blocks amortise the per-block
-  // barrier and rescale work; at D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
-  static constexpr int kBlockN = HeadDim == 64 ? 192 : HeadDim == 128 ? 176 : 80;
+  // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask
+  // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
+  // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
+  static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : 80;
+  // Causal tiles differ in length: the CTAs take them from a global counter (longest first) instead of a fixed
+  // stride. Only then does the producer hand tile indices to the consumers (it costs consumer registers).
+  static constexpr bool kDynamicTiles = Causal;
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
@@ -227,10 +231,11 @@ struct Tile {
   }
 };
 
-// Persistent: one CTA per SM. Its first tile is blockIdx.x; the producer picks each next one (a fixed stride, or
-// from params.tile_counter) and hands its index to the consumers through a 2-slot mailbox in shared memory. It runs
-// ahead into the next tile (its Q as soon as the consumers are done with the last one, its K/V through the same
-// ring), so loads and the first GEMM of a tile overlap the epilogue of the previous one.
+// Persistent: one CTA per SM. Its first tile is blockIdx.x; then a fixed stride of gridDim.x, or, with
+// kDynamicTiles, the producer takes the next one from params.tile_counter and hands its index to the consumers
+// through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the
+// consumers are done with the last one, its K/V through the same ring), so loads and the first GEMM of a tile
+// overlap the epilogue of the previous one.
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -273,11 +278,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
     int index = blockIdx.x;
-    for (int j = 0;; ++j) {  // publish tile j's index (-1: done) to the consumers, then load it
-      const int slot = j % 2;
-      if (j >= 2) mbarrier_wait(&smem.tile_empty[slot], ((j / 2) - 1) & 1);
-      smem.tile_index[slot] = index < num_tiles ? index : -1;
-      mbarrier_arrive(&smem.tile_full[slot]);
+    for (int j = 0;; ++j) {
+      if constexpr (Traits::kDynamicTiles) {  // publish tile j's index (-1: done) to the consumers
+        const int slot = j % 2;
+        if (j >= 2) mbarrier_wait(&smem.tile_empty[slot], ((j / 2) - 1) & 1);
+        smem.tile_index[slot] = index < num_tiles ? index : -1;
+        mbarrier_arrive(&smem.tile_full[slot]);
+      }
       if (index >= num_tiles) break;
       const TileT tile(index, num_m_blocks, p);
       if (tile.num_n_blocks > 0) {
@@ -308,9 +315,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
       }
-      // Causal tiles differ in length: take the next one when this one is issued (the longest rows of each head
-      // come first, so this is longest-first within a head). Otherwise a fixed stride.
-      index = p.tile_counter != nullptr ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
+      // Dynamic: take the next tile once this one is issued (each head's longest rows come first, so this is
+      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
+      const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
+      index = take ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
     }
     return;
   }
@@ -340,12 +348,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
 
+  int index = blockIdx.x;
   for (int j = 0;; ++j) {
-    const int slot = j % 2;
-    mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
-    const int index = smem.tile_index[slot];
-    mbarrier_arrive(&smem.tile_empty[slot]);
-    if (index < 0) break;
+    if constexpr (Traits::kDynamicTiles) {
+      const int slot = j % 2;
+      mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
+      index = smem.tile_index[slot];
+      mbarrier_arrive(&smem.tile_empty[slot]);
+      if (index < 0) break;
+    } else {
+      if (j > 0) index += gridDim.x;
+      if (index >= num_tiles) break;
+    }
     const TileT tile(index, num_m_blocks, p);
     if (tile.num_n_blocks == 0) {  // no row of this tile sees a key: out = 0, lse = -inf
       T* const o_base = tile.template out<T>(p);
@@ -475,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  using Traits = FwdTraits<HeadDim>;
+  using Traits = FwdTraits<HeadDim, kCausal>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map;
   const bool ok =
