@@ -171,9 +171,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     return {out, lse};
   }
 
-  const FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
-  const cudaError_t err =
-      launch_fwd(params, q.scalar_type(), bucket, sm90_fwd_applies(bucket, q), at::cuda::getCurrentCUDAStream());
+  FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
+  const bool use_sm90 = sm90_fwd_applies(bucket, q);
+  at::Tensor tile_counter;  // freed after the launch is enqueued: the caching allocator orders reuse on the stream
+  if (use_sm90 && causal) {
+    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+    params.tile_counter = tile_counter.data_ptr<int>();
+  }
+  const cudaError_t err = launch_fwd(params, q.scalar_type(), bucket, use_sm90, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashattn.fwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }

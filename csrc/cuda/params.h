@@ -26,6 +26,10 @@ struct FwdParams {
   float scale;       // multiplies q·k
   float scale_log2;  // scale * log2(e): the kernels work in exp2
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
+
+  // Hopper forward only: a zeroed int32 from which the persistent CTAs take their next tile (used under a causal
+  // mask, where tiles differ in length); null means a static round-robin over the tiles.
+  int* tile_counter;
 };
 
 // The fused backward (csrc/cuda/sm80/bwd_kernel.h). One CTA owns a block of keys of one kv head and walks the

@@ -41,6 +41,9 @@ struct FwdTraits {
   // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
   // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
   static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : 80;
+  // Causal tiles differ in length: the CTAs take them from a global counter (longest first) instead of a fixed
+  // stride. Only then does the producer hand tile indices to the consumers (it costs consumer registers).
+  static constexpr bool kDynamicTiles = Causal;
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
@@ -76,6 +79,9 @@ struct SharedStorage {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
+  uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
+  uint64_t* tile_empty;   // [2]: both consumers have read it
+  int* tile_index;        // [2]
 
   __device__ explicit SharedStorage(unsigned char* raw) {
     // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
@@ -88,6 +94,9 @@ struct SharedStorage {
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
+    tile_full = v_empty + Traits::kStages;
+    tile_empty = tile_full + 2;
+    tile_index = reinterpret_cast<int*>(tile_empty + 2);
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::kTileKV; }
@@ -222,8 +231,9 @@ struct Tile {
   }
 };
 
-// Persistent: one CTA per SM, taking one tile per round of gridDim.x tiles (tile_of_round below); producer and
-// consumers walk the same sequence. The producer runs ahead into the next tile (its Q as soon as the
+// Persistent: one CTA per SM. Its first tile is blockIdx.x; then a fixed stride of gridDim.x, or, with
+// kDynamicTiles, the producer takes the next one from params.tile_counter and hands its index to the consumers
+// through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the
 // consumers are done with the last one, its K/V through the same ring), so loads and the first GEMM of a tile
 // overlap the epilogue of the previous one.
 template <typename T, typename Traits, bool kCausal>
@@ -240,14 +250,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
   const int num_tiles = num_m_blocks * p.heads * p.batch;  // flash_api bounds it well below 2^31
-  // Round r gives CTA c the tile r * gridDim.x + c, in odd rounds counted from the other end of the round. Under a
-  // causal mask tile lengths fall along each head, so a CTA that drew a long tile in one round draws a short one
-  // in the next (a fixed stride can keep handing one CTA the long tiles); the tiles at work at one time stay
-  // within a round or two, so K/V stay in L2.
-  const auto tile_of_round = [&](int round) {
-    const int position = round % 2 == 0 ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
-    return round * static_cast<int>(gridDim.x) + position;
-  };
 
   extern __shared__ unsigned char smem_raw[];
   const SharedStorage<T, Traits> smem(smem_raw);
@@ -260,6 +262,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.k_empty[s], 2 * 128);  // every consumer thread arrives once it has read the stage
       mbarrier_init(&smem.v_empty[s], 2 * 128);
     }
+    for (int slot = 0; slot < 2; ++slot) {
+      mbarrier_init(&smem.tile_full[slot], 1);
+      mbarrier_init(&smem.tile_empty[slot], 2 * 128);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -271,9 +277,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
-    for (int round = 0; round * static_cast<int>(gridDim.x) < num_tiles; ++round) {
-      const int index = tile_of_round(round);
-      if (index >= num_tiles) continue;
+    int index = blockIdx.x;
+    for (int j = 0;; ++j) {
+      if constexpr (Traits::kDynamicTiles) {  // publish tile j's index (-1: done) to the consumers
+        const int slot = j % 2;
+        if (j >= 2) mbarrier_wait(&smem.tile_empty[slot], ((j / 2) - 1) & 1);
+        smem.tile_index[slot] = index < num_tiles ? index : -1;
+        mbarrier_arrive(&smem.tile_full[slot]);
+      }
+      if (index >= num_tiles) break;
       const TileT tile(index, num_m_blocks, p);
       if (tile.num_n_blocks > 0) {
         if (q_loads > 0) mbarrier_wait(smem.q_empty, (q_loads - 1) & 1);
@@ -303,6 +315,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
       }
+      // Dynamic: take the next tile once this one is issued (each head's longest rows come first, so this is
+      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
+      const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
+      index = take ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
     }
     return;
   }
@@ -332,9 +348,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
 
-  for (int round = 0; round * static_cast<int>(gridDim.x) < num_tiles; ++round) {
-    const int index = tile_of_round(round);
-    if (index >= num_tiles) continue;
+  int index = blockIdx.x;
+  for (int j = 0;; ++j) {
+    if constexpr (Traits::kDynamicTiles) {
+      const int slot = j % 2;
+      mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
+      index = smem.tile_index[slot];
+      mbarrier_arrive(&smem.tile_empty[slot]);
+      if (index < 0) break;
+    } else {
+      if (j > 0) index += gridDim.x;
+      if (index >= num_tiles) break;
+    }
     const TileT tile(index, num_m_blocks, p);
     if (tile.num_n_blocks == 0) {  // no row of this tile sees a key: out = 0, lse = -inf
       T* const o_base = tile.template out<T>(p);
