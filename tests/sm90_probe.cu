@@ -3,10 +3,13 @@
 //                O = P V with P = S rounded in registers and V as an MN-major (transposed) operand (wgmma RS);
 //                D = 64 and 128 (two 64-column sub-tiles, as in the forward kernel), bf16 and fp16.
 //   tma_probe:   one TMA box load of a (rows x 64) tile into shared memory, returned raw (swizzled).
+//   transposed_a_probe: the backward's dS^T path: an accumulator stored by the threads into a swizzled tile
+//                (store_swizzled_tile), then read back by wgmma as an M-major (transposed) A operand.
 //   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h) on contiguous bf16 (B, H, L, D) inputs.
 #include <torch/extension.h>
 
 #include "cuda/sm80/ptx.h"
+#include "cuda/sm90/bwd_kernel.h"
 #include "cuda/sm90/fwd_kernel.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
@@ -101,6 +104,51 @@ void launch_wgmma_probe(const torch::Tensor& a, const torch::Tensor& b, const to
                            reinterpret_cast<const E*>(v.data_ptr()), s.data_ptr<float>(), o.data_ptr<float>());
 }
 
+// acc = X Y^T (64 x 64, the verified SS path); acc rounded into a swizzled [64][64] tile by the threads, as the
+// backward stores dS^T; then out = acc^T Z with the tile as an M-major A and Z (K x N) as an MN-major B, as the
+// backward's dQ = dS K reads them. Returns acc, out and the raw tile.
+__global__ void __launch_bounds__(128) transposed_a_probe_kernel(const T* x, const T* y, const T* z, float* acc_out,
+                                                                 float* out, T* tile_out) {
+  __shared__ __align__(1024) T sX[64 * 64];
+  __shared__ __align__(1024) T sY[64 * 64];
+  __shared__ __align__(1024) T sZ[64 * 64];
+  __shared__ __align__(1024) T tile[64 * 64];
+  store_swizzled(sX, x, 64, 64);
+  store_swizzled(sY, y, 64, 64);
+  store_swizzled(sZ, z, 64, 64);
+  flashattn::sm90::fence_proxy_async_smem();
+  __syncthreads();
+
+  float acc[32];
+  flashattn::sm90::wgmma_fence_registers(acc);
+  flashattn::sm90::wgmma_fence();
+  for (int kk = 0; kk < 4; ++kk) {
+    Wgmma<T, 64>::ss<false>(acc, flashattn::sm90::smem_desc_sw128(sX + kk * 16),
+                            flashattn::sm90::smem_desc_sw128(sY + kk * 16), kk > 0);
+  }
+  flashattn::sm90::wgmma_commit();
+  flashattn::sm90::wgmma_wait<0>();
+  flashattn::sm90::wgmma_fence_registers(acc);
+  store_accumulator<64>(acc_out, acc);
+
+  flashattn::sm90::store_swizzled_tile<T, 64>(tile, acc, threadIdx.x / 32, threadIdx.x % 32);
+  flashattn::sm90::fence_proxy_async_smem();
+  __syncthreads();
+  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) tile_out[i] = tile[i];
+
+  float o[32];
+  flashattn::sm90::wgmma_fence_registers(o);
+  flashattn::sm90::wgmma_fence();
+  for (int kk = 0; kk < 4; ++kk) {  // k16 steps down the rows of both tiles
+    Wgmma<T, 64>::ss<true, true>(o, flashattn::sm90::smem_desc_sw128(tile + kk * 16 * 64),
+                                 flashattn::sm90::smem_desc_sw128(sZ + kk * 16 * 64), kk > 0);
+  }
+  flashattn::sm90::wgmma_commit();
+  flashattn::sm90::wgmma_wait<0>();
+  flashattn::sm90::wgmma_fence_registers(o);
+  store_accumulator<64>(out, o);
+}
+
 __global__ void __launch_bounds__(128) tma_probe_kernel(const __grid_constant__ CUtensorMap map, T* out) {
   __shared__ __align__(1024) T tile[64 * 64];
   __shared__ __align__(8) uint64_t bar;
@@ -143,6 +191,18 @@ torch::Tensor tma_probe(torch::Tensor a) {  // a: (64, 64) bf16, contiguous
   return out;
 }
 
+// x, y, z: (64, 64) bf16, contiguous. Returns x y^T, (x y^T rounded)^T z, and the raw swizzled tile.
+std::vector<torch::Tensor> transposed_a_probe(torch::Tensor x, torch::Tensor y, torch::Tensor z) {
+  auto acc = torch::empty({64, 64}, x.options().dtype(torch::kFloat));
+  auto out = torch::empty({64, 64}, x.options().dtype(torch::kFloat));
+  auto tile = torch::empty_like(x);
+  transposed_a_probe_kernel<<<1, 128>>>(reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(y.data_ptr()),
+                                        reinterpret_cast<const T*>(z.data_ptr()), acc.data_ptr<float>(),
+                                        out.data_ptr<float>(), reinterpret_cast<T*>(tile.data_ptr()));
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "transposed_a_probe launch failed");
+  return {acc, out, tile};
+}
+
 std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal) {
   auto out = torch::empty_like(q);
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat));
@@ -179,5 +239,6 @@ std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_probe", &wgmma_probe);
   m.def("tma_probe", &tma_probe);
+  m.def("transposed_a_probe", &transposed_a_probe);
   m.def("attention_probe", &attention_probe);
 }

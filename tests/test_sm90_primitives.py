@@ -1,6 +1,6 @@
 """GPU check of the Hopper building blocks in csrc/cuda/sm90 (wgmma descriptors and wrappers, TMA, mbarriers),
-one piece at a time, before the sm90 forward kernel (issue 4) relies on them. Builds tests/sm90_probe.cu for sm_90a
-at test time; skipped without a Hopper GPU."""
+one piece at a time, before the sm90 forward (issue 4) and backward (issue 3) kernels rely on them. Builds
+tests/sm90_probe.cu for sm_90a at test time; skipped without a Hopper GPU."""
 from pathlib import Path
 
 import pytest
@@ -54,6 +54,17 @@ def test_wgmma_ss_then_rs_with_transposed_b(probe, dim, dtype):
 def test_tma_box_load_lands_in_the_swizzle_the_descriptors_assume(probe):
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(probe.tma_probe(a).cpu(), swizzle_128b(a.cpu()))
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_threads_store_a_swizzled_tile_that_wgmma_reads_as_transposed_a(probe):
+    x, y, z = (torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    acc, out, tile = probe.transposed_a_probe(x, y, z)
+    torch.testing.assert_close(acc, x.float() @ y.float().T, rtol=1e-4, atol=1e-3)
+    rounded = acc.to(torch.bfloat16)
+    assert torch.equal(tile.cpu(), swizzle_128b(rounded.cpu()))  # the backward's dS^T store
+    torch.testing.assert_close(out, rounded.float().T @ z.float(), rtol=1e-4, atol=2e-2)  # its dQ = dS K read
 
 
 @pytest.mark.cuda

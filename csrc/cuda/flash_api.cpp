@@ -102,24 +102,46 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
 // On Hopper (sm_90) the forward of head-dim buckets 64, 128 and 256 runs the TMA + wgmma kernel; strides TMA cannot
 // describe fall back to the sm80 kernel. FLASHATTN_FWD_SM90 overrides: "0" always uses sm80 (the portable path, for
 // comparison and tests), "strict" raises instead of falling back, so a test run proves the Hopper kernel ran.
+// FLASHATTN_BWD_SM90 does the same for the Hopper backward (buckets 64 and 128), which is off until it has passed
+// the GPU suite ("1" or "strict" select it).
 enum class Sm90Mode { kOff, kOn, kStrict };
 
-Sm90Mode sm90_mode() {
-  static const Sm90Mode mode = [] {
-    const char* env = std::getenv("FLASHATTN_FWD_SM90");
-    if (env == nullptr || std::strcmp(env, "1") == 0) return Sm90Mode::kOn;
-    if (std::strcmp(env, "0") == 0) return Sm90Mode::kOff;
-    TORCH_CHECK(std::strcmp(env, "strict") == 0, "FLASHATTN_FWD_SM90 must be 0, 1 or strict, got '", env, "'");
-    return Sm90Mode::kStrict;
-  }();
+Sm90Mode parse_sm90_mode(const char* variable, Sm90Mode unset) {
+  const char* env = std::getenv(variable);
+  if (env == nullptr) return unset;
+  if (std::strcmp(env, "1") == 0) return Sm90Mode::kOn;
+  if (std::strcmp(env, "0") == 0) return Sm90Mode::kOff;
+  TORCH_CHECK(std::strcmp(env, "strict") == 0, variable, " must be 0, 1 or strict, got '", env, "'");
+  return Sm90Mode::kStrict;
+}
+
+Sm90Mode sm90_fwd_mode() {
+  static const Sm90Mode mode = parse_sm90_mode("FLASHATTN_FWD_SM90", Sm90Mode::kOn);
   return mode;
+}
+
+Sm90Mode sm90_bwd_mode() {
+  static const Sm90Mode mode = parse_sm90_mode("FLASHATTN_BWD_SM90", Sm90Mode::kOff);
+  return mode;
+}
+
+bool is_sm90(const at::Tensor& q) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  return props->major == 9 && props->minor == 0;
 }
 
 bool sm90_fwd_applies(int bucket, const at::Tensor& q) {
 #ifdef FLASHATTN_WITH_SM90
-  if (sm90_mode() == Sm90Mode::kOff || !sm90_fwd_covers(bucket)) return false;
-  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
-  return props->major == 9 && props->minor == 0;
+  return sm90_fwd_mode() != Sm90Mode::kOff && sm90_fwd_covers(bucket) && is_sm90(q);
+#else
+  (void)bucket, (void)q;
+  return false;
+#endif
+}
+
+bool sm90_bwd_applies(int bucket, const at::Tensor& q) {
+#ifdef FLASHATTN_WITH_SM90
+  return sm90_bwd_mode() != Sm90Mode::kOff && sm90_bwd_covers(bucket) && is_sm90(q);
 #else
   (void)bucket, (void)q;
   return false;
@@ -140,7 +162,7 @@ cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket
         if constexpr (sm90_fwd_covers(kHeadDim)) {
           if (use_sm90) {
             err = sm90::run_fwd_sm90<T, kHeadDim, kCausal>(params, stream);
-            if (err != cudaErrorNotSupported || sm90_mode() == Sm90Mode::kStrict) return;
+            if (err != cudaErrorNotSupported || sm90_fwd_mode() == Sm90Mode::kStrict) return;
             // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel instead
           }
         }
@@ -214,7 +236,8 @@ BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at:
   return p;
 }
 
-cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, cudaStream_t stream) {
+cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool use_sm90,
+                       cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_half_type(is_bf16, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
@@ -223,6 +246,15 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
       if constexpr (kHeadDim <= kMaxFusedBwdHeadDim) {
         dispatch_bool(causal, [&](auto causal_tag) {
           constexpr bool kCausal = decltype(causal_tag)::value;
+#ifdef FLASHATTN_WITH_SM90
+          if constexpr (sm90_bwd_covers(kHeadDim)) {
+            if (use_sm90) {
+              err = sm90::run_bwd_sm90<T, kHeadDim, kCausal>(params, stream);
+              if (err != cudaErrorNotSupported || sm90_bwd_mode() == Sm90Mode::kStrict) return;
+              // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel instead
+            }
+          }
+#endif
           err = sm80::run_bwd_sm80<T, kHeadDim, kCausal>(params, stream);
         });
       }
@@ -280,7 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
 
   const BwdParams params = make_bwd_params(dout_rows, q, k, v, lse_rows, delta, dq_accum, dk, dv, s, softmax_scale);
-  err = launch_bwd(params, is_bf16, bucket, causal, stream);
+  err = launch_bwd(params, is_bf16, bucket, causal, sm90_bwd_applies(bucket, q), stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {dq_accum.to(q.scalar_type()), dk, dv};
 }

@@ -7,12 +7,14 @@ from pathlib import Path
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128)  # the fused backward (launch.h: kMaxFusedBwdHeadDim)
-SM90_FWD_HEAD_DIMS = (64, 128, 256)  # Hopper forward version 0 (launch.h: sm90_fwd_covers)
+SM90_FWD_HEAD_DIMS = (64, 128, 256)  # Hopper forward (launch.h: sm90_fwd_covers)
+SM90_BWD_HEAD_DIMS = (64, 128)  # Hopper backward (launch.h: sm90_bwd_covers)
 # (file prefix, header, launcher, params, head dims)
 KERNELS = (
     ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", HEAD_DIMS),
     ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", BWD_HEAD_DIMS),
     ("fwd_sm90", "cuda/sm90/fwd_kernel.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", SM90_FWD_HEAD_DIMS),
+    ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams", SM90_BWD_HEAD_DIMS),
 )
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 OUT_DIR = Path(__file__).parent / "instantiations"

@@ -26,13 +26,17 @@ cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
 cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);
 }  // namespace sm80
 
-// Hopper forward, version 0: the head-dim buckets it covers (instantiated only when sm_90a is in the arch list;
+// The head-dim buckets of the Hopper kernels (instantiated only when sm_90a is in the arch list;
 // generate_instantiations.py lists the same buckets).
 constexpr bool sm90_fwd_covers(int bucket) { return bucket == 64 || bucket == 128 || bucket == 256; }
+constexpr bool sm90_bwd_covers(int bucket) { return bucket == 64 || bucket == 128; }
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
+
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 }  // namespace sm90
 
 }  // namespace flashattn

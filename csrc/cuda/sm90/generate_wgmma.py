@@ -1,14 +1,14 @@
 """Writes csrc/cuda/sm90/wgmma_ops.h: wgmma.mma_async wrappers (m64nNk16, f32 accumulators) for bf16 and fp16.
 
 Each wrapper names its N / 2 accumulator registers in the asm operand list, which is why they are generated:
-  Wgmma<T, N>::ss<kTransposeB>(d, desc_a, desc_b, accumulate)   A and B from shared memory (descriptors)
+  Wgmma<T, N>::ss<kTransposeB, kTransposeA>(d, desc_a, desc_b, accumulate)   A and B from shared memory
   Wgmma<T, N>::rs<kTransposeB>(d, a, desc_b, accumulate)        A from registers (4 x b32 per thread), B from smem
 `accumulate` = false computes D = A B (the first k-step), true D += A B. kTransposeB = true reads an MN-major B
 (e.g. V as the B operand of P V). Run `python csrc/cuda/sm90/generate_wgmma.py` after changing N_VALUES.
 """
 from pathlib import Path
 
-N_VALUES = (64, 80, 96, 128, 160, 176, 192, 256)  # the head dims and key-block widths the kernels use or tune
+N_VALUES = (64, 80, 128, 176, 192, 256)  # the head dims and block widths the kernels use or tune
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
 OUT = Path(__file__).parent / "wgmma_ops.h"
 
@@ -29,13 +29,13 @@ template <typename T, int N>
 struct Wgmma;
 """
 
-FUNCTION = """  template <bool kTransposeB>
+FUNCTION = """  template <{template}>
   static __device__ __forceinline__ void {name}(float (&d)[{regs}], {a_param}, uint64_t desc_b, bool accumulate) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{d_list}}}, {a_text}, %{b}, p, 1, 1, {trans};\\n}}\\n"
         : {d_operands}
-        : {a_inputs}, "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(kTransposeB)));
+        : {a_inputs}, "l"(desc_b), "r"(static_cast<int>(accumulate)), {trans_inputs});
   }}
 """
 
@@ -50,11 +50,14 @@ def function(ptx: str, n: int, a_from_registers: bool) -> str:
         d_operands=", ".join(f'"+f"(d[{i}])' for i in range(regs)),
     )
     if a_from_registers:  # imm-trans-b only: an A operand in registers is never transposed
-        fields.update(name="rs", a_param="const uint32_t (&a)[4]", trans=f"%{b + 2}",
+        fields.update(name="rs", template="bool kTransposeB", a_param="const uint32_t (&a)[4]", trans=f"%{b + 2}",
+                      trans_inputs='"n"(static_cast<int>(kTransposeB))',
                       a_text="{" + ", ".join(f"%{regs + i}" for i in range(4)) + "}",
                       a_inputs=", ".join(f'"r"(a[{i}])' for i in range(4)))
-    else:  # imm-trans-a = 0: A is K-major
-        fields.update(name="ss", a_param="uint64_t desc_a", trans=f"0, %{b + 2}", a_text=f"%{regs}",
+    else:  # imm-trans-a, imm-trans-b: kTransposeA reads an M-major A (e.g. dS^T stored key-major, backward's dQ)
+        fields.update(name="ss", template="bool kTransposeB, bool kTransposeA = false", a_param="uint64_t desc_a",
+                      trans=f"%{b + 3}, %{b + 2}", a_text=f"%{regs}",
+                      trans_inputs='"n"(static_cast<int>(kTransposeB)), "n"(static_cast<int>(kTransposeA))',
                       a_inputs='"l"(desc_a)')
     return FUNCTION.format(**fields)
 
