@@ -159,14 +159,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kColumnBlocks = Traits::kColumnBlocks;
 
   const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
-  const int n_block = blockIdx.x % num_n_blocks;  // causal: the first key blocks see the most queries, and go first
+  const int n_block = blockIdx.x % num_n_blocks;  // causal: within a kv head, the first key blocks see the most queries
   const int kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
   const int batch = blockIdx.x / num_n_blocks / p.heads_kv;
   const int n_start = n_block * kBlockN;
   const int causal_shift = p.len_k - p.len_q;
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  // Causal: query i sees key j iff j <= i + shift, so the first query that sees key n_start is n_start - shift.
-  const int m_begin = kCausal ? min(num_m_blocks, max(0, n_start - causal_shift) / kBlockM) : 0;
+  // Causal: query i sees key j iff j <= i + shift, so the first query that sees key n_start is n_start - shift
+  // (the last query sees every key, so some query block always remains).
+  const int m_begin = kCausal ? max(0, n_start - causal_shift) / kBlockM : 0;
 
   extern __shared__ unsigned char smem_raw[];
   const BwdSharedStorage<T, Traits> smem(smem_raw);
@@ -247,12 +248,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       // The block's lse (log2 domain) and delta for this warpgroup. The barrier also orders the last step's reads
       // of these and of ds_tile (all before the previous dS barrier or wgmma wait) before this step's writes.
-      if (thread < kBlockM) {
-        const int row = m_start + thread;
-        lse_log2[thread] = row < p.len_q ? p.lse[row_base + row] * kLog2e : 0.f;
-      } else {
-        const int row = m_start + thread - kBlockM;
-        delta[thread - kBlockM] = row < p.len_q ? p.delta[row_base + row] : 0.f;
+      // A row past the end or with lse = -inf (it sees no key) contributes nothing: exp2(x - inf) = 0, and its
+      // delta is zeroed so that a non-finite dlse there cannot turn 0 * inf into NaN (the sm80 kernel's rule).
+      {
+        const int index = thread % kBlockM;
+        const int row = m_start + index;
+        const float row_lse = row < p.len_q ? p.lse[row_base + row] : -INFINITY;
+        const bool contributes = row_lse != -INFINITY;
+        if (thread < kBlockM) {
+          lse_log2[index] = contributes ? row_lse * kLog2e : INFINITY;
+        } else {
+          delta[index] = contributes ? p.delta[row_base + row] : 0.f;
+        }
       }
       named_barrier_sync(barrier_id, 128);
 
@@ -330,6 +337,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (c == 0) {
           wgmma_fence_registers(dv);
           wgmma_fence_registers(dk);
+          wgmma_fence_registers(p_frag);  // read by the dV/dK wgmmas until here
+          wgmma_fence_registers(ds_frag);
           mbarrier_arrive(&smem.q_empty[stage]);
           mbarrier_arrive(&smem.do_empty[stage]);
         }
