@@ -403,10 +403,7 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky; leave no error behind for the sm80 launch
-    return cudaErrorNotSupported;
-  }
+  if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * params.batch));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, params);

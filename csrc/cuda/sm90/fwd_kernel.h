@@ -503,10 +503,7 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "Q and the K/V stages exceed the 227 KB of shared memory per block");
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky; leave no error behind for the sm80 launch
-    return cudaErrorNotSupported;
-  }
+  if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
   int device = 0, num_sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {

@@ -1,5 +1,5 @@
-// Host side of TMA: tensor maps for (B, H, L, D) tensors, encoded through the driver entry point that the CUDA
-// runtime hands out (no link against libcuda).
+// Host side of the Hopper kernels: TMA tensor maps for (B, H, L, D) tensors, encoded through the driver entry point
+// that the CUDA runtime hands out (no link against libcuda), and the opt-in to large dynamic shared memory.
 #pragma once
 
 #include <cuda.h>
@@ -52,6 +52,15 @@ inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int6
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
+}
+
+// Lets `kernel` use `bytes` of dynamic shared memory. False, with no CUDA error left behind (the attribute error is
+// not sticky), if the device refuses: the caller may then launch a kernel that needs less.
+template <typename Kernel>
+inline bool allow_dynamic_smem(Kernel kernel, int bytes) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
 }
 
 }  // namespace flashattn::sm90
