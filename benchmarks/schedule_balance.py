@@ -1,0 +1,73 @@
+"""Static model of the Hopper forward's tile schedules: how evenly the persistent CTAs share the causal work.
+
+Each tile (128 query rows of one batch and head) costs its number of key blocks; a CTA's time is the sum over its
+tiles; the slowest CTA sets the kernel's time. The script replays the kernel's tile numbering (Tile in
+csrc/cuda/sm90/fwd_kernel.h) under three static schedules and prints the slowest CTA's work over the ideal
+(total work / number of SMs): 1.00 is perfect. The schedules: a fixed stride (forward v2), zigzag rounds on all
+SMs (v5), and zigzag rounds on a grid aligned to the query blocks per head (a candidate, not in the kernel). The
+counter schedule (kDynamicTiles, the default under a causal mask) balances at run time and is not modelled. The
+model reproduces the measured cliffs of v2 and v5 (NOTES.md: D128 L16k, D256 L8k and L16k), so it is used to
+choose schedules before spending GPU time.
+
+    python benchmarks/schedule_balance.py [--sms 132] [--lengths 1024,...] [--head-dims 64,128,256]
+"""
+import argparse
+import itertools
+
+BLOCK_M = 128
+BLOCK_N = {64: 128, 128: 128, 256: 80}  # causal key blocks of FwdTraits
+
+
+def zigzag_grid_size(num_m_blocks: int, num_sms: int) -> int:
+    """The largest grid within 1/8 of num_sms that divides, or is a multiple of, the query blocks per head."""
+    size = num_sms
+    while size * 8 >= num_sms * 7:
+        if size % num_m_blocks == 0 or num_m_blocks % size == 0:
+            return size
+        size -= 1
+    return num_sms
+
+
+def tile_work(index: int, num_m_blocks: int, length: int, block_n: int) -> int:
+    m_block = num_m_blocks - 1 - index % num_m_blocks  # causal: each head's longest rows first
+    m_end = min((m_block + 1) * BLOCK_M, length)
+    return -(-m_end // block_n)  # key blocks up to the diagonal (Lq == Lk)
+
+
+def slowest_over_ideal(num_tiles: int, ctas: int, zigzag: bool, work, num_sms: int) -> float:
+    per_cta = [0] * ctas
+    for round_ in itertools.count():
+        if round_ * ctas >= num_tiles:
+            break
+        for cta in range(ctas):
+            index = round_ * ctas + (ctas - 1 - cta if zigzag and round_ % 2 else cta)
+            if index < num_tiles:
+                per_cta[cta] += work(index)
+    return max(per_cta) / (sum(per_cta) / num_sms)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768,16500")
+    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--tokens", type=int, default=16384, help="B * L, as in bench_sdpa.py")
+    parser.add_argument("--hidden", type=int, default=2048, help="H * D, as in bench_sdpa.py")
+    args = parser.parse_args()
+    print("causal, slowest CTA's work / ideal: stride | zigzag on all SMs | zigzag on the aligned grid (size)")
+    for head_dim in map(int, args.head_dims.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            batch, heads = max(1, args.tokens // length), args.hidden // head_dim
+            num_m_blocks = -(-length // BLOCK_M)
+            num_tiles = num_m_blocks * heads * batch
+            work = lambda index: tile_work(index, num_m_blocks, length, BLOCK_N[head_dim])  # noqa: E731
+            aligned = zigzag_grid_size(num_m_blocks, args.sms)
+            row = [slowest_over_ideal(num_tiles, min(num_tiles, args.sms), False, work, args.sms),
+                   slowest_over_ideal(num_tiles, min(num_tiles, args.sms), True, work, args.sms),
+                   slowest_over_ideal(num_tiles, min(num_tiles, aligned), True, work, args.sms)]
+            print(f"D{head_dim:<4} L{length:<6} {num_m_blocks:4} query blocks/head: "
+                  f"{row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} ({aligned})")
+
+
+if __name__ == "__main__":
+    main()
