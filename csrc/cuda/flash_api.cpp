@@ -243,7 +243,7 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
     using T = typename decltype(type_tag)::type;
     dispatch_head_dim(bucket, [&](auto head_dim_tag) {
       constexpr int kHeadDim = decltype(head_dim_tag)::value;
-      if constexpr (kHeadDim <= kMaxFusedBwdHeadDim) {
+      if constexpr (kHeadDim <= kMaxFusedBwdHeadDim || sm90_bwd_covers(kHeadDim)) {
         dispatch_bool(causal, [&](auto causal_tag) {
           constexpr bool kCausal = decltype(causal_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
@@ -251,11 +251,12 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
             if (use_sm90) {
               err = sm90::run_bwd_sm90<T, kHeadDim, kCausal>(params, stream);
               if (err != cudaErrorNotSupported || sm90_bwd_mode() == Sm90Mode::kStrict) return;
-              // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel instead
+              // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel, or (D > 128, where
+              // there is none) cudaErrorNotSupported for the caller to take the chunked backward
             }
           }
 #endif
-          err = sm80::run_bwd_sm80<T, kHeadDim, kCausal>(params, stream);
+          if constexpr (kHeadDim <= kMaxFusedBwdHeadDim) err = sm80::run_bwd_sm80<T, kHeadDim, kCausal>(params, stream);
         });
       }
     });
@@ -275,7 +276,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
 
   const int bucket = head_dim_bucket(s.head_dim);
   // The fused kernel accumulates dQ with atomics (order-dependent): deterministic=True takes the chunked path.
-  const bool fused = fused_bwd_allowed() && !deterministic && bucket <= kMaxFusedBwdHeadDim &&
+  const bool use_sm90 = sm90_bwd_applies(bucket, q);
+  const bool fused = fused_bwd_allowed() && !deterministic && (bucket <= kMaxFusedBwdHeadDim || use_sm90) &&
                      head_dim_bucket_built(bucket) && !s.empty() && s.len_k > 0;
   if (!fused) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
 
@@ -312,7 +314,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
 
   const BwdParams params = make_bwd_params(dout_rows, q, k, v, lse_rows, delta, dq_accum, dk, dv, s, softmax_scale);
-  err = launch_bwd(params, is_bf16, bucket, causal, sm90_bwd_applies(bucket, q), stream);
+  err = launch_bwd(params, is_bf16, bucket, causal, use_sm90, stream);
+  if (err == cudaErrorNotSupported && bucket > kMaxFusedBwdHeadDim && sm90_bwd_mode() != Sm90Mode::kStrict) {
+    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);  // TMA could not take these strides
+  }
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {dq_accum.to(q.scalar_type()), dk, dv};
 }

@@ -29,7 +29,7 @@ cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream
 // The head-dim buckets of the Hopper kernels (instantiated only when sm_90a is in the arch list;
 // generate_instantiations.py lists the same buckets).
 constexpr bool sm90_fwd_covers(int bucket) { return bucket == 64 || bucket == 128 || bucket == 256; }
-constexpr bool sm90_bwd_covers(int bucket) { return bucket == 64 || bucket == 128; }
+constexpr bool sm90_bwd_covers(int bucket) { return bucket == 64 || bucket == 128 || bucket == 256; }
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>

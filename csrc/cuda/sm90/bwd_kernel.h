@@ -1,6 +1,7 @@
-// Hopper backward, version 0 (issue 3): warp-specialised, TMA + wgmma, head dims 64 and 128. Off by default until it
-// has passed the GPU suite: FLASHATTN_BWD_SM90=1 selects it on sm_90, =strict raises instead of falling back to the
-// sm80 kernel (csrc/cuda/sm80/bwd_kernel.h, same params, same preprocessing and dQ conversion in flash_api.cpp).
+// Hopper backward, version 0 (issue 3): warp-specialised, TMA + wgmma, head dims 64 and 128 (256: see
+// bwd_split_kernel.h). Off by default until it has passed the GPU suite: FLASHATTN_BWD_SM90=1 selects it on sm_90,
+// =strict raises instead of falling back to the sm80 kernel (csrc/cuda/sm80/bwd_kernel.h; same params, same
+// preprocessing and dQ conversion in flash_api.cpp).
 //
 // CTA = one block of kBlockN = 128 keys of one (batch, kv head); 3 warpgroups. Warpgroup 0 is the producer: one
 // thread loads K and V once and then, for every query head of the kv head's group and every query block that sees
@@ -26,6 +27,8 @@
 
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"  // pack2, fast_exp2
+#include "cuda/sm90/bwd_common.h"
+#include "cuda/sm90/bwd_split_kernel.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
@@ -117,32 +120,6 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
   for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
     Wgmma<T, Traits::kHeadDim>::template rs<true>(
         acc, a[kk], smem_desc_sw128(block + kk * 16 * 64, Traits::kSubTileQ * sizeof(T)), true);
-  }
-}
-
-// Accumulator (64 rows x kCols) -> wgmma A fragments for k16 steps along its columns (as the forward packs P).
-template <typename T, int kCols>
-__device__ __forceinline__ void pack_a(uint32_t (&a)[kCols / 16][4], const float (&acc)[kCols / 2]) {
-#pragma unroll
-  for (int kk = 0; kk < kCols / 16; ++kk) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[kk][i] = sm80::pack2<T>(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
-  }
-}
-
-// The wgmma accumulator of 64 x kBlockM (rows = this thread's keys, columns = queries) into a [64][kBlockM] tile in
-// the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), 4-byte stores of column pairs.
-template <typename T, int kBlockM>
-__device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[kBlockM / 2], int warp, int lane) {
-  static_assert(kBlockM == 64, "one 128-byte swizzle row per tile row");
-#pragma unroll
-  for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * warp + lane / 4 + 8 * h;  // columns 8 j + 2 (lane % 4): chunk j, 2 (lane % 4) inside it
-      *reinterpret_cast<uint32_t*>(tile + row * 64 + ((j ^ (row % 8)) * 8) + 2 * (lane % 4)) =
-          sm80::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
   }
 }
 
@@ -382,12 +359,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller). Returns
-// cudaErrorNotSupported, having launched nothing, when the driver cannot encode the tensor maps for these strides or
-// grant the shared memory (the caller may then use the sm80 kernel).
+// Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller): this file's kernel for
+// head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
+// the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
+// another backward).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
-  using Traits = BwdTraits<HeadDim>;
+  using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map, do_map;
   const bool ok =
@@ -400,7 +378,13 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
       make_bhld_map(&v_map, params.v, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
                     params.v_batch_stride, params.v_head_stride, params.v_row_stride, Traits::kBlockN);
   if (!ok) return cudaErrorNotSupported;
-  auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal>;
+  constexpr auto kernel = [] {
+    if constexpr (HeadDim == 256) {
+      return flash_bwd_split_sm90_kernel<T, Traits, kCausal>;
+    } else {
+      return flash_bwd_sm90_kernel<T, Traits, kCausal>;
+    }
+  }();
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
   if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;

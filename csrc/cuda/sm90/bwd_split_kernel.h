@@ -1,0 +1,335 @@
+// Hopper backward for head dim 256, version 0 (issue 3): written and compiled, not yet run; selected with the
+// Hopper backward (FLASHATTN_BWD_SM90, see bwd_kernel.h). At D = 256 one warpgroup cannot hold dK and dV of 64 keys
+// (256 registers per thread), so the two consumer warpgroups split the work by role and by half of the head dim:
+//
+//     warpgroup 1: S^T = K Q^T (64 keys x 64 queries, all 256 columns), P^T -> shared memory (bf16/fp16)
+//     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T read back -> shared memory
+//     both, for their half h of the columns: dV[:, h] += P^T dO[:, h] and dK[:, h] += dS^T Q[:, h] (A operands
+//     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major): one fp32 atomic per dQ element and CTA.
+//
+// CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once and Q and dO blocks of 64 rows
+// into a 2-stage ring, as in bwd_kernel.h. Three 256-thread named barriers per step: step start (lse/delta staged,
+// the previous step's tiles free), P^T ready (warpgroup 1 arrives, warpgroup 2 waits), dS^T ready.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "cuda/params.h"
+#include "cuda/sm80/ptx.h"  // pack2, fast_exp2
+#include "cuda/sm90/bwd_common.h"
+#include "cuda/sm90/ptx.h"
+#include "cuda/sm90/tma.h"
+#include "cuda/sm90/wgmma_ops.h"
+
+namespace flashattn::sm90 {
+
+struct BwdSplitTraits {
+  static constexpr int kHeadDim = 256;
+  static constexpr int kHalf = 128;    // columns of dK, dV and dQ per consumer warpgroup
+  static constexpr int kBlockN = 64;   // keys per CTA: the M of every GEMM but dQ
+  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kStages = 2;
+  static constexpr int kNThreads = 3 * 128;
+  static constexpr int kColumnBlocks = kHeadDim / 64;
+  static constexpr int kTileKV = kBlockN * kHeadDim;  // elements
+  static constexpr int kSubTileKV = kBlockN * 64;
+  static constexpr int kTileQ = kBlockM * kHeadDim;   // a Q or dO stage
+  static constexpr int kSubTileQ = kBlockM * 64;
+  static constexpr int kTileP = kBlockN * kBlockM;    // P^T or dS^T: 64 keys x 64 queries
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  template <typename T>
+  static constexpr int smem_bytes() {
+    return (2 * kTileKV + 2 * kStages * kTileQ + 2 * kTileP) * static_cast<int>(sizeof(T)) +
+           2 * kBlockM * static_cast<int>(sizeof(float)) /* lse, delta */ + 1024 /* alignment */ + 256 /* barriers */;
+  }
+  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
+                "producer + consumer registers exceed the register file");
+};
+
+template <typename T, typename Traits>
+struct BwdSplitSharedStorage {
+  T* k;  // [kColumnBlocks][kBlockN][64], swizzled
+  T* v;
+  T* q;  // [kStages][kColumnBlocks][kBlockM][64]
+  T* dout;
+  T* p;   // P^T [kBlockN][kBlockM], swizzled
+  T* ds;  // dS^T, likewise
+  float* lse_log2;  // [kBlockM]
+  float* delta;
+  uint64_t* kv_full;
+  uint64_t* q_full;  // [kStages]
+  uint64_t* do_full;
+  uint64_t* q_empty;
+  uint64_t* do_empty;
+
+  __device__ explicit BwdSplitSharedStorage(unsigned char* raw) {
+    k = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    v = k + Traits::kTileKV;
+    q = v + Traits::kTileKV;
+    dout = q + Traits::kStages * Traits::kTileQ;
+    p = dout + Traits::kStages * Traits::kTileQ;
+    ds = p + Traits::kTileP;
+    lse_log2 = reinterpret_cast<float*>(ds + Traits::kTileP);
+    delta = lse_log2 + Traits::kBlockM;
+    kv_full = reinterpret_cast<uint64_t*>(delta + Traits::kBlockM);
+    q_full = kv_full + 1;
+    do_full = q_full + Traits::kStages;
+    q_empty = do_full + Traits::kStages;
+    do_empty = q_empty + Traits::kStages;
+  }
+  __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
+  __device__ T* dout_stage(int stage) const { return dout + stage * Traits::kTileQ; }
+};
+
+// acc (64 x 64) = A B^T over all 256 columns, A = the key tile (K or V), B = a query-block tile (Q or dO).
+template <typename T, typename Traits>
+__device__ __forceinline__ void issue_keys_times_block(float (&acc)[Traits::kBlockM / 2], const T* keys,
+                                                       const T* block) {
+  wgmma_fence_registers(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int c = kk / 4, k_in_row = (kk % 4) * 16;
+    Wgmma<T, Traits::kBlockM>::template ss<false>(acc, smem_desc_sw128(keys + c * Traits::kSubTileKV + k_in_row),
+                                                  smem_desc_sw128(block + c * Traits::kSubTileQ + k_in_row), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// acc (64 keys x 128 columns of half h) += A block[:, h]: A = P^T or dS^T from shared memory (K-major: queries
+// along the row), block = dO or Q read transposed, starting at its 64-column sub-tile 2 h.
+template <typename T, typename Traits>
+__device__ __forceinline__ void issue_tile_times_half(float (&acc)[Traits::kHalf / 2], const T* tile,
+                                                      const T* block_half) {
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
+    Wgmma<T, Traits::kHalf>::template ss<true>(
+        acc, smem_desc_sw128(tile + kk * 16),
+        smem_desc_sw128(block_half + kk * 16 * 64, Traits::kSubTileQ * sizeof(T)), true);
+  }
+}
+
+template <typename T, typename Traits, bool kCausal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                                const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
+                                const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kColumnBlocks = Traits::kColumnBlocks;
+  constexpr int kHalf = Traits::kHalf;
+
+  const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
+  const int n_block = blockIdx.x % num_n_blocks;
+  const int kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
+  const int batch = blockIdx.x / num_n_blocks / p.heads_kv;
+  const int n_start = n_block * kBlockN;
+  const int causal_shift = p.len_k - p.len_q;
+  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
+  // Causal: the first query that sees key n_start is n_start - shift (the last query sees every key).
+  const int m_begin = kCausal ? max(0, n_start - causal_shift) / kBlockM : 0;
+
+  extern __shared__ unsigned char smem_raw[];
+  const BwdSplitSharedStorage<T, Traits> smem(smem_raw);
+  if (threadIdx.x == 0) {
+    mbarrier_init(smem.kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&smem.q_full[s], 1);
+      mbarrier_init(&smem.do_full[s], 1);
+      mbarrier_init(&smem.q_empty[s], 2 * 128);
+      mbarrier_init(&smem.do_empty[s], 2 * 128);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
+    setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
+    for (int c = 0; c < kColumnBlocks; ++c) {
+      tma_load_4d(smem.k + c * Traits::kSubTileKV, &k_map, smem.kv_full, 64 * c, n_start, kv_head, batch);
+      tma_load_4d(smem.v + c * Traits::kSubTileKV, &v_map, smem.kv_full, 64 * c, n_start, kv_head, batch);
+    }
+    int step = 0;
+    for (int g = 0; g < p.heads_per_kv; ++g) {
+      const int head = kv_head * p.heads_per_kv + g;
+      for (int m_block = m_begin; m_block < num_m_blocks; ++m_block, ++step) {
+        const int stage = step % kStages;
+        const int use = step / kStages;
+        const int m_start = m_block * kBlockM;
+        if (use > 0) mbarrier_wait(&smem.q_empty[stage], (use - 1) & 1);
+        mbarrier_arrive_expect_tx(&smem.q_full[stage], Traits::kTileQ * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(smem.q_stage(stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[stage], 64 * c, m_start,
+                      head, batch);
+        }
+        if (use > 0) mbarrier_wait(&smem.do_empty[stage], (use - 1) & 1);
+        mbarrier_arrive_expect_tx(&smem.do_full[stage], Traits::kTileQ * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(smem.dout_stage(stage) + c * Traits::kSubTileQ, &do_map, &smem.do_full[stage], 64 * c,
+                      m_start, head, batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------------ consumers
+  setmaxnreg_inc<Traits::kConsumerRegs>();
+  const int consumer = warpgroup - 1;  // 0: S^T and P^T; 1: dP^T and dS^T; both: columns kHalf * consumer ..
+  const int thread = threadIdx.x % 128;
+  const int warp = thread / 32;
+  const int lane = thread % 32;
+  const int key0 = n_start + 16 * warp + lane / 4;  // + 8 for the thread's second row
+  const int column0 = kHalf * consumer;
+  constexpr int kStepBarrier = 1, kPReadyBarrier = 2, kDsReadyBarrier = 3;  // 256 threads each
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  float dk[kHalf / 2], dv[kHalf / 2];
+#pragma unroll
+  for (int i = 0; i < kHalf / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  mbarrier_wait(smem.kv_full, 0);
+  int step = 0;
+  for (int g = 0; g < p.heads_per_kv; ++g) {
+    const int head = kv_head * p.heads_per_kv + g;
+    const int64_t row_base = (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;  // lse, delta, dq_accum
+    for (int m_block = m_begin; m_block < num_m_blocks; ++m_block, ++step) {
+      const int stage = step % kStages;
+      const uint32_t parity = (step / kStages) & 1;
+      const int m_start = m_block * kBlockM;
+
+      // Consumer 0 stages lse (log2 domain), consumer 1 delta, with the sm80 kernel's rule for rows that contribute
+      // nothing (past Lq, or lse = -inf): +inf in the exponent and delta 0. The barrier also ends every read of the
+      // previous step's lse, delta, P^T and dS^T tiles (each warpgroup waited for its wgmmas before arriving).
+      if (thread < kBlockM) {
+        const int row = m_start + thread;
+        const float row_lse = row < p.len_q ? p.lse[row_base + row] : -INFINITY;
+        const bool contributes = row_lse != -INFINITY;
+        if (consumer == 0) {
+          smem.lse_log2[thread] = contributes ? row_lse * kLog2e : INFINITY;
+        } else {
+          smem.delta[thread] = contributes ? p.delta[row_base + row] : 0.f;
+        }
+      }
+      named_barrier_sync(kStepBarrier, 256);
+
+      float acc[kBlockM / 2];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
+      if (consumer == 0) {
+        mbarrier_wait(&smem.q_full[stage], parity);
+        issue_keys_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
+        wgmma_wait<0>();
+        wgmma_fence_registers(acc);
+        const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+                                (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = 8 * j + 2 * (lane % 4) + i % 2;
+            const int key = key0 + 8 * (i / 2);
+            const int query = m_start + col;
+            const bool masked = needs_mask && (query >= p.len_q || key >= p.len_k ||
+                                               (kCausal && key > query + causal_shift));
+            const float x = sm80::fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
+            acc[4 * j + i] = masked ? 0.f : x;
+          }
+        }
+        store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);
+        fence_proxy_async_smem();
+        named_barrier_arrive(kPReadyBarrier, 256);
+      } else {
+        mbarrier_wait(&smem.do_full[stage], parity);
+        issue_keys_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
+        wgmma_wait<0>();
+        wgmma_fence_registers(acc);
+        named_barrier_sync(kPReadyBarrier, 256);
+        float prob[kBlockM / 2];
+        load_swizzled_tile<T, kBlockM>(prob, smem.p, warp, lane);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = 8 * j + 2 * (lane % 4) + i % 2;
+            acc[4 * j + i] = prob[4 * j + i] * (acc[4 * j + i] - smem.delta[col]);  // dS^T
+          }
+        }
+        store_swizzled_tile<T, kBlockM>(smem.ds, acc, warp, lane);
+        fence_proxy_async_smem();
+      }
+      named_barrier_sync(kDsReadyBarrier, 256);
+
+      // Both: dV and dK for this warpgroup's half of the columns, then dQ for the same half.
+      mbarrier_wait(&smem.q_full[stage], parity);  // a completed phase: returns at once for the side that waited
+      mbarrier_wait(&smem.do_full[stage], parity);
+      wgmma_fence_registers(dv);
+      wgmma_fence_registers(dk);
+      wgmma_fence();
+      issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(stage) + 2 * consumer * Traits::kSubTileQ);
+      issue_tile_times_half<T, Traits>(dk, smem.ds, smem.q_stage(stage) + 2 * consumer * Traits::kSubTileQ);
+      wgmma_commit();
+      float dq[kHalf / 2];
+      wgmma_fence_registers(dq);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {  // M = queries, K = keys: dS^T read M-major, K rows transposed
+        Wgmma<T, kHalf>::template ss<true, true>(
+            dq, smem_desc_sw128(smem.ds + kk * 16 * 64),
+            smem_desc_sw128(smem.k + 2 * consumer * Traits::kSubTileKV + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)),
+            kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // dV, dK done: Q and dO of the stage are free
+      wgmma_fence_registers(dv);
+      wgmma_fence_registers(dk);
+      mbarrier_arrive(&smem.q_empty[stage]);
+      mbarrier_arrive(&smem.do_empty[stage]);
+      wgmma_wait<0>();
+      wgmma_fence_registers(dq);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int query = m_start + 16 * warp + lane / 4 + 8 * h;
+        if (query >= p.len_q) continue;
+        float* const dq_row = p.dq_accum + (row_base + query) * p.head_dim;
+#pragma unroll
+        for (int j = 0; j < kHalf / 8; ++j) {
+          const int col = column0 + 8 * j + 2 * (lane % 4);
+          if (col < p.head_dim) {
+            atomicAdd(reinterpret_cast<float2*>(dq_row + col),
+                      make_float2(dq[4 * j + 2 * h] * p.scale, dq[4 * j + 2 * h + 1] * p.scale));
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: this warpgroup's half of dK (times scale) and dV for the CTA's 64 keys.
+  const int64_t kv_row_base = (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + 8 * h;
+    if (key >= p.len_k) continue;
+    T* const dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim;
+    T* const dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim;
+#pragma unroll
+    for (int j = 0; j < kHalf / 8; ++j) {
+      const int col = column0 + 8 * j + 2 * (lane % 4);
+      if (col < p.head_dim) {
+        *reinterpret_cast<uint32_t*>(dk_row + col) =
+            sm80::pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dv_row + col) = sm80::pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace flashattn::sm90
