@@ -4,8 +4,7 @@
 //                D = 64 and 128 (two 64-column sub-tiles, as in the forward kernel), bf16 and fp16.
 //   tma_probe:   one TMA box load of a (rows x 64) tile into shared memory, returned raw (swizzled).
 //   transposed_a_probe: the backward's P^T / dS^T paths: an accumulator stored by the threads into a swizzled tile
-//                (store_swizzled_tile), then read by wgmma as an M-major (transposed) A and as a K-major A, and
-//                read back by the threads (load_swizzled_tile).
+//                (store_swizzled_tile), then read by wgmma as an M-major (transposed) A and as a K-major A.
 //   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h) on contiguous bf16 (B, H, L, D) inputs.
 #include <torch/extension.h>
 
@@ -109,8 +108,7 @@ void launch_wgmma_probe(const torch::Tensor& a, const torch::Tensor& b, const to
 // backward stores dS^T; then out = acc^T Z with the tile as an M-major A and Z (K x N) as an MN-major B, as the
 // backward's dQ = dS K reads them. Returns acc, out and the raw tile.
 __global__ void __launch_bounds__(128) transposed_a_probe_kernel(const T* x, const T* y, const T* z, float* acc_out,
-                                                                 float* out, T* tile_out, float* readback_out,
-                                                                 float* out_k_major) {
+                                                                 float* out, T* tile_out, float* out_k_major) {
   __shared__ __align__(1024) T sX[64 * 64];
   __shared__ __align__(1024) T sY[64 * 64];
   __shared__ __align__(1024) T sZ[64 * 64];
@@ -150,11 +148,8 @@ __global__ void __launch_bounds__(128) transposed_a_probe_kernel(const T* x, con
   flashattn::sm90::wgmma_fence_registers(o);
   store_accumulator<64>(out, o);
 
-  // The split backward's other two uses of a thread-written tile: read back by the threads (load_swizzled_tile),
-  // and as a K-major A (out_k_major = acc Z^T, Z as the K-major B, like the forward's K).
-  float readback[32];
-  flashattn::sm90::load_swizzled_tile<T, 64>(readback, tile, threadIdx.x / 32, threadIdx.x % 32);
-  store_accumulator<64>(readback_out, readback);
+  // The split backward's other use of a thread-written tile: as a K-major A (out_k_major = acc Z^T, Z as the
+  // K-major B, like the forward's K).
   float ok[32];
   flashattn::sm90::wgmma_fence_registers(ok);
   flashattn::sm90::wgmma_fence();
@@ -210,19 +205,19 @@ torch::Tensor tma_probe(torch::Tensor a) {  // a: (64, 64) bf16, contiguous
   return out;
 }
 
-// x, y, z: (64, 64) bf16, contiguous. Returns x y^T, (x y^T rounded)^T z, the raw swizzled tile, the tile read back
-// by the threads, and (x y^T rounded) z^T.
+// x, y, z: (64, 64) bf16, contiguous. Returns x y^T, (x y^T rounded)^T z, the raw swizzled tile, and
+// (x y^T rounded) z^T.
 std::vector<torch::Tensor> transposed_a_probe(torch::Tensor x, torch::Tensor y, torch::Tensor z) {
   const auto f32 = x.options().dtype(torch::kFloat);
   auto acc = torch::empty({64, 64}, f32), out = torch::empty({64, 64}, f32);
-  auto readback = torch::empty({64, 64}, f32), out_k_major = torch::empty({64, 64}, f32);
+  auto out_k_major = torch::empty({64, 64}, f32);
   auto tile = torch::empty_like(x);
   transposed_a_probe_kernel<<<1, 128>>>(reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(y.data_ptr()),
                                         reinterpret_cast<const T*>(z.data_ptr()), acc.data_ptr<float>(),
                                         out.data_ptr<float>(), reinterpret_cast<T*>(tile.data_ptr()),
-                                        readback.data_ptr<float>(), out_k_major.data_ptr<float>());
+                                        out_k_major.data_ptr<float>());
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "transposed_a_probe launch failed");
-  return {acc, out, tile, readback, out_k_major};
+  return {acc, out, tile, out_k_major};
 }
 
 std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal) {

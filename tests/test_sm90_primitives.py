@@ -58,14 +58,13 @@ def test_tma_box_load_lands_in_the_swizzle_the_descriptors_assume(probe):
 
 @pytest.mark.cuda
 @needs_hopper
-def test_threads_store_a_swizzled_tile_that_wgmma_and_threads_read_back(probe):
+def test_threads_store_a_swizzled_tile_that_wgmma_reads_as_a(probe):
     x, y, z = (torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    acc, out, tile, readback, out_k_major = probe.transposed_a_probe(x, y, z)
+    acc, out, tile, out_k_major = probe.transposed_a_probe(x, y, z)
     torch.testing.assert_close(acc, x.float() @ y.float().T, rtol=1e-4, atol=1e-3)
     rounded = acc.to(torch.bfloat16)
     assert torch.equal(tile.cpu(), swizzle_128b(rounded.cpu()))  # the backward's P^T / dS^T store
     torch.testing.assert_close(out, rounded.float().T @ z.float(), rtol=1e-4, atol=2e-2)  # dQ = dS K's read
-    assert torch.equal(readback, rounded.float())  # the split backward reading P^T back
     torch.testing.assert_close(out_k_major, rounded.float() @ z.float().T, rtol=1e-4, atol=2e-2)  # dV += P^T dO's A
 
 

@@ -81,20 +81,6 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The inverse of pack2: (lo, hi) as floats.
-template <typename T>
-__device__ __forceinline__ float2 unpack2(uint32_t packed);
-
-template <>
-__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t packed) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
-}
-
-template <>
-__device__ __forceinline__ float2 unpack2<__half>(uint32_t packed) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-}
-
 // 2^x on the special-function unit; exp2(-inf) = +0, which the masked softmax relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

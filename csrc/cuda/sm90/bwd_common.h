@@ -35,23 +35,4 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
   }
 }
 
-// The inverse of store_swizzled_tile for one thread: its accumulator positions of a [64][kBlockM] swizzled tile,
-// read back as floats (the split backward's second warpgroup reads the first one's P^T this way).
-template <typename T, int kBlockM>
-__device__ __forceinline__ void load_swizzled_tile(float (&acc)[kBlockM / 2], const T* tile, int warp, int lane) {
-  static_assert(kBlockM == 64, "one 128-byte swizzle row per tile row");
-#pragma unroll
-  for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * warp + lane / 4 + 8 * h;
-      const uint32_t pair =
-          *reinterpret_cast<const uint32_t*>(tile + row * 64 + ((j ^ (row % 8)) * 8) + 2 * (lane % 4));
-      const float2 values = sm80::unpack2<T>(pair);
-      acc[4 * j + 2 * h] = values.x;
-      acc[4 * j + 2 * h + 1] = values.y;
-    }
-  }
-}
-
 }  // namespace flashattn::sm90

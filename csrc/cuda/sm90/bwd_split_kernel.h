@@ -3,13 +3,14 @@
 // (256 registers per thread), so the two consumer warpgroups split the work by role and by half of the head dim:
 //
 //     warpgroup 1: S^T = K Q^T (64 keys x 64 queries, all 256 columns), P^T -> shared memory (bf16/fp16)
-//     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T read back -> shared memory
+//     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T passed in fp32 -> shared memory
 //     both, for their half h of the columns: dV[:, h] += P^T dO[:, h] and dK[:, h] += dS^T Q[:, h] (A operands
 //     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major): one fp32 atomic per dQ element and CTA.
 //
 // CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once and Q and dO blocks of 64 rows
 // into a 2-stage ring, as in bwd_kernel.h. Three 256-thread named barriers per step: step start (lse/delta staged,
 // the previous step's tiles free), P^T ready (warpgroup 1 arrives, warpgroup 2 waits), dS^T ready.
+// 226 KB of shared memory.
 #pragma once
 
 #include <cuda.h>
@@ -45,8 +46,12 @@ struct BwdSplitTraits {
   template <typename T>
   static constexpr int smem_bytes() {
     return (2 * kTileKV + 2 * kStages * kTileQ + 2 * kTileP) * static_cast<int>(sizeof(T)) +
-           2 * kBlockM * static_cast<int>(sizeof(float)) /* lse, delta */ + 1024 /* alignment */ + 256 /* barriers */;
+           (kTileP /* P^T in fp32 */ + 2 * kBlockM /* lse, delta */) * static_cast<int>(sizeof(float)) +
+           1024 /* alignment */ + 256 /* barriers */;
   }
+  // One warpgroup covers the CTA's keys (wgmma M = 64), a step's queries fill one 128-byte swizzle row of the P^T
+  // and dS^T tiles, and the two warpgroups split the columns in halves.
+  static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim, "the split backward's fixed shape");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -59,6 +64,8 @@ struct BwdSplitSharedStorage {
   T* dout;
   T* p;   // P^T [kBlockN][kBlockM], swizzled
   T* ds;  // dS^T, likewise
+  float* p_exact;   // [kBlockM / 2][128]: consumer 0's fp32 P^T, slot i of thread t at i * 128 + t (the two
+                    // warpgroups hold the same accumulator positions, so consumer 1's thread t reads its own)
   float* lse_log2;  // [kBlockM]
   float* delta;
   uint64_t* kv_full;
@@ -74,7 +81,8 @@ struct BwdSplitSharedStorage {
     dout = q + Traits::kStages * Traits::kTileQ;
     p = dout + Traits::kStages * Traits::kTileQ;
     ds = p + Traits::kTileP;
-    lse_log2 = reinterpret_cast<float*>(ds + Traits::kTileP);
+    p_exact = reinterpret_cast<float*>(ds + Traits::kTileP);
+    lse_log2 = p_exact + Traits::kTileP;
     delta = lse_log2 + Traits::kBlockM;
     kv_full = reinterpret_cast<uint64_t*>(delta + Traits::kBlockM);
     q_full = kv_full + 1;
@@ -244,7 +252,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             acc[4 * j + i] = masked ? 0.f : x;
           }
         }
-        store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);
+        store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
+#pragma unroll
+        for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
         fence_proxy_async_smem();
         named_barrier_arrive(kPReadyBarrier, 256);
       } else {
@@ -253,14 +263,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_wait<0>();
         wgmma_fence_registers(acc);
         named_barrier_sync(kPReadyBarrier, 256);
-        float prob[kBlockM / 2];
-        load_swizzled_tile<T, kBlockM>(prob, smem.p, warp, lane);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            acc[4 * j + i] = prob[4 * j + i] * (acc[4 * j + i] - smem.delta[col]);  // dS^T
+            const float prob = smem.p_exact[(4 * j + i) * 128 + thread];
+            acc[4 * j + i] = prob * (acc[4 * j + i] - smem.delta[col]);  // dS^T
           }
         }
         store_swizzled_tile<T, kBlockM>(smem.ds, acc, warp, lane);
