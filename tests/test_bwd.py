@@ -120,6 +120,19 @@ def test_head_dims(device, dtype, causal, head_dim):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_head_dims_across_many_blocks(device, dtype, causal, head_dim):
+    # The head dims of the Hopper backward kernels, with GQA and several key and query blocks of ragged length,
+    # Lq > Lk and Lq < Lk: their multi-step pipelines, the GQA walk and the diagonal masks.
+    if device == "cpu":
+        pytest.skip("the CPU backward is covered at these sizes by the tests above")
+    q, k, v = make_qkv(1, 4, 2, 300, 513, head_dim, dtype, device)
+    run_and_check(q, k, v, causal, with_lse=True)
+    q, k, v = make_qkv(2, 2, 1, 1025, 200, head_dim, dtype, device)
+    run_and_check(q, k, v, causal, with_lse=True)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads_kv", [2, 1], ids=["gqa", "mqa"])
 @pytest.mark.parametrize("len_q,len_k", [(65, 65), (1, 97), (97, 63)], ids=["q65-k65", "q1-k97", "q97-k63"])
 def test_grouped_kv_heads(device, dtype, causal, heads_kv, len_q, len_k):
