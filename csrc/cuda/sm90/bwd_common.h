@@ -1,11 +1,15 @@
 // Pieces shared by the Hopper backward kernels (bwd_kernel.h for head dims up to 128, bwd_split_kernel.h for 256).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/params.h"
 #include "cuda/sm80/ptx.h"  // pack2
+#include "cuda/sm90/ptx.h"
+#include "cuda/sm90/wgmma_ops.h"
 
 namespace flashattn::sm90 {
 
@@ -33,6 +37,94 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
           sm80::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
   }
+}
+
+// The CTA's block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Key blocks are numbered
+// fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first.
+template <typename Traits, bool kCausal>
+struct KeyBlock {
+  int n_start, kv_head, batch, m_begin, num_m_blocks;
+
+  __device__ KeyBlock(const BwdParams& p) {
+    const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    n_start = static_cast<int>(blockIdx.x % num_n_blocks) * Traits::kBlockN;
+    kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
+    batch = blockIdx.x / num_n_blocks / p.heads_kv;
+    num_m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    // Causal: query i sees key j iff j <= i + Lk - Lq, so the first query that sees key n_start is
+    // n_start - (Lk - Lq) (the last query sees every key, so some query block always remains).
+    m_begin = kCausal ? max(0, n_start - (p.len_k - p.len_q)) / Traits::kBlockM : 0;
+  }
+};
+
+// Thread 0 initialises the pipeline's mbarriers: K/V once; per stage, Q and dO "full" (TMA bytes landed) and
+// "empty" (every consumer thread arrives once its GEMMs on the stage ended).
+template <typename Traits, typename Storage>
+__device__ __forceinline__ void init_bwd_barriers(const Storage& smem) {
+  if (threadIdx.x != 0) return;
+  mbarrier_init(smem.kv_full, 1);
+  for (int s = 0; s < Traits::kStages; ++s) {
+    mbarrier_init(&smem.q_full[s], 1);
+    mbarrier_init(&smem.do_full[s], 1);
+    mbarrier_init(&smem.q_empty[s], 2 * 128);
+    mbarrier_init(&smem.do_empty[s], 2 * 128);
+  }
+  fence_barrier_init();
+}
+
+// The producer thread: K and V once (always: the consumers always wait for them, so no copy is in flight when the
+// CTA exits), then Q and dO of every query head of the kv head's group and every query block that sees the keys,
+// through the kStages ring. The consumers walk the same sequence.
+template <typename T, typename Traits, bool kCausal, typename Storage>
+__device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUtensorMap& q_map,
+                                                 const CUtensorMap& k_map, const CUtensorMap& v_map,
+                                                 const CUtensorMap& do_map, const BwdParams& p,
+                                                 const KeyBlock<Traits, kCausal>& block) {
+  mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
+  for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+    tma_load_4d(smem.k + c * Traits::kSubTileKV, &k_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
+                block.batch);
+    tma_load_4d(smem.v + c * Traits::kSubTileKV, &v_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
+                block.batch);
+  }
+  int step = 0;
+  for (int g = 0; g < p.heads_per_kv; ++g) {
+    const int head = block.kv_head * p.heads_per_kv + g;
+    for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
+      const int stage = step % Traits::kStages;
+      const int use = step / Traits::kStages;
+      const int m_start = m_block * Traits::kBlockM;
+      if (use > 0) mbarrier_wait(&smem.q_empty[stage], (use - 1) & 1);
+      mbarrier_arrive_expect_tx(&smem.q_full[stage], Traits::kTileQ * sizeof(T));
+      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+        tma_load_4d(smem.q_stage(stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[stage], 64 * c, m_start, head,
+                    block.batch);
+      }
+      if (use > 0) mbarrier_wait(&smem.do_empty[stage], (use - 1) & 1);
+      mbarrier_arrive_expect_tx(&smem.do_full[stage], Traits::kTileQ * sizeof(T));
+      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+        tma_load_4d(smem.dout_stage(stage) + c * Traits::kSubTileQ, &do_map, &smem.do_full[stage], 64 * c, m_start,
+                    head, block.batch);
+      }
+    }
+  }
+}
+
+// acc (64 rows x 64 columns) = A B^T over the head dim, A = 64 rows of a key tile (K or V), B = a query-block tile
+// (Q or dO); both K-major, walked like the forward's S = Q K^T (k16 steps of 32 bytes, then the next sub-tile).
+template <typename T, typename Traits>
+__device__ __forceinline__ void issue_rows_times_block(float (&acc)[Traits::kBlockM / 2], const T* key_rows,
+                                                       const T* block) {
+  wgmma_fence_registers(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int c = kk / 4, k_in_row = (kk % 4) * 16;
+    Wgmma<T, Traits::kBlockM>::template ss<false>(
+        acc, smem_desc_sw128(key_rows + c * Traits::kSubTileKV + k_in_row),
+        smem_desc_sw128(block + c * Traits::kSubTileQ + k_in_row), kk > 0);
+  }
+  wgmma_commit();
 }
 
 }  // namespace flashattn::sm90

@@ -94,21 +94,6 @@ struct BwdSplitSharedStorage {
   __device__ T* dout_stage(int stage) const { return dout + stage * Traits::kTileQ; }
 };
 
-// acc (64 x 64) = A B^T over all 256 columns, A = the key tile (K or V), B = a query-block tile (Q or dO).
-template <typename T, typename Traits>
-__device__ __forceinline__ void issue_keys_times_block(float (&acc)[Traits::kBlockM / 2], const T* keys,
-                                                       const T* block) {
-  wgmma_fence_registers(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
-    const int c = kk / 4, k_in_row = (kk % 4) * 16;
-    Wgmma<T, Traits::kBlockM>::template ss<false>(acc, smem_desc_sw128(keys + c * Traits::kSubTileKV + k_in_row),
-                                                  smem_desc_sw128(block + c * Traits::kSubTileQ + k_in_row), kk > 0);
-  }
-  wgmma_commit();
-}
-
 // acc (64 keys x 128 columns of half h) += A block[:, h]: A = P^T or dS^T from shared memory (K-major: queries
 // along the row), block = dO or Q read transposed, starting at its 64-column sub-tile 2 h.
 template <typename T, typename Traits>
@@ -131,63 +116,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
-  constexpr int kColumnBlocks = Traits::kColumnBlocks;
   constexpr int kHalf = Traits::kHalf;
 
-  const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
-  const int n_block = blockIdx.x % num_n_blocks;
-  const int kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
-  const int batch = blockIdx.x / num_n_blocks / p.heads_kv;
-  const int n_start = n_block * kBlockN;
+  const KeyBlock<Traits, kCausal> block(p);
+  const int n_start = block.n_start;
   const int causal_shift = p.len_k - p.len_q;
-  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  // Causal: the first query that sees key n_start is n_start - shift (the last query sees every key).
-  const int m_begin = kCausal ? max(0, n_start - causal_shift) / kBlockM : 0;
 
   extern __shared__ unsigned char smem_raw[];
   const BwdSplitSharedStorage<T, Traits> smem(smem_raw);
-  if (threadIdx.x == 0) {
-    mbarrier_init(smem.kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&smem.q_full[s], 1);
-      mbarrier_init(&smem.do_full[s], 1);
-      mbarrier_init(&smem.q_empty[s], 2 * 128);
-      mbarrier_init(&smem.do_empty[s], 2 * 128);
-    }
-    fence_barrier_init();
-  }
+  init_bwd_barriers<Traits>(smem);
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
-    for (int c = 0; c < kColumnBlocks; ++c) {
-      tma_load_4d(smem.k + c * Traits::kSubTileKV, &k_map, smem.kv_full, 64 * c, n_start, kv_head, batch);
-      tma_load_4d(smem.v + c * Traits::kSubTileKV, &v_map, smem.kv_full, 64 * c, n_start, kv_head, batch);
-    }
-    int step = 0;
-    for (int g = 0; g < p.heads_per_kv; ++g) {
-      const int head = kv_head * p.heads_per_kv + g;
-      for (int m_block = m_begin; m_block < num_m_blocks; ++m_block, ++step) {
-        const int stage = step % kStages;
-        const int use = step / kStages;
-        const int m_start = m_block * kBlockM;
-        if (use > 0) mbarrier_wait(&smem.q_empty[stage], (use - 1) & 1);
-        mbarrier_arrive_expect_tx(&smem.q_full[stage], Traits::kTileQ * sizeof(T));
-        for (int c = 0; c < kColumnBlocks; ++c) {
-          tma_load_4d(smem.q_stage(stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[stage], 64 * c, m_start,
-                      head, batch);
-        }
-        if (use > 0) mbarrier_wait(&smem.do_empty[stage], (use - 1) & 1);
-        mbarrier_arrive_expect_tx(&smem.do_full[stage], Traits::kTileQ * sizeof(T));
-        for (int c = 0; c < kColumnBlocks; ++c) {
-          tma_load_4d(smem.dout_stage(stage) + c * Traits::kSubTileQ, &do_map, &smem.do_full[stage], 64 * c,
-                      m_start, head, batch);
-        }
-      }
-    }
+    run_bwd_producer<T>(smem, q_map, k_map, v_map, do_map, p, block);
     return;
   }
 
@@ -209,9 +153,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   mbarrier_wait(smem.kv_full, 0);
   int step = 0;
   for (int g = 0; g < p.heads_per_kv; ++g) {
-    const int head = kv_head * p.heads_per_kv + g;
-    const int64_t row_base = (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;  // lse, delta, dq_accum
-    for (int m_block = m_begin; m_block < num_m_blocks; ++m_block, ++step) {
+    const int head = block.kv_head * p.heads_per_kv + g;
+    const int64_t row_base = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q;  // lse, delta, dq_accum
+    for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
       const int stage = step % kStages;
       const uint32_t parity = (step / kStages) & 1;
       const int m_start = m_block * kBlockM;
@@ -234,7 +178,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       float acc[kBlockM / 2];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
       if (consumer == 0) {
         mbarrier_wait(&smem.q_full[stage], parity);
-        issue_keys_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
+        issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
         wgmma_wait<0>();
         wgmma_fence_registers(acc);
         const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
@@ -259,7 +203,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         named_barrier_arrive(kPReadyBarrier, 256);
       } else {
         mbarrier_wait(&smem.do_full[stage], parity);
-        issue_keys_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
+        issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
         wgmma_wait<0>();
         wgmma_fence_registers(acc);
         named_barrier_sync(kPReadyBarrier, 256);
@@ -321,7 +265,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   // Epilogue: this warpgroup's half of dK (times scale) and dV for the CTA's 64 keys.
-  const int64_t kv_row_base = (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k;
+  const int64_t kv_row_base = (static_cast<int64_t>(block.batch) * p.heads_kv + block.kv_head) * p.len_k;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = key0 + 8 * h;
