@@ -102,8 +102,7 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
 // On Hopper (sm_90) the forward of head-dim buckets 64, 128 and 256 runs the TMA + wgmma kernel; strides TMA cannot
 // describe fall back to the sm80 kernel. FLASHATTN_FWD_SM90 overrides: "0" always uses sm80 (the portable path, for
 // comparison and tests), "strict" raises instead of falling back, so a test run proves the Hopper kernel ran.
-// FLASHATTN_BWD_SM90 does the same for the Hopper backward (buckets 64, 128, 256), which is off until it has passed
-// the GPU suite ("1" or "strict" select it).
+// FLASHATTN_BWD_SM90 does the same for the Hopper backward (buckets 64, 128, 256).
 enum class Sm90Mode { kOff, kOn, kStrict };
 
 Sm90Mode parse_sm90_mode(const char* variable, Sm90Mode unset) {
@@ -121,7 +120,7 @@ Sm90Mode sm90_fwd_mode() {
 }
 
 Sm90Mode sm90_bwd_mode() {
-  static const Sm90Mode mode = parse_sm90_mode("FLASHATTN_BWD_SM90", Sm90Mode::kOff);
+  static const Sm90Mode mode = parse_sm90_mode("FLASHATTN_BWD_SM90", Sm90Mode::kOn);
   return mode;
 }
 

@@ -23,17 +23,18 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[kCols / 16][4], const float
   }
 }
 
-// The wgmma accumulator of 64 x kBlockM (rows = this thread's keys, columns = queries) into a [64][kBlockM] tile in
-// the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), 4-byte stores of column pairs.
+// The wgmma accumulator of 64 x kBlockM (rows = this thread's keys, columns = queries) into kBlockM / 64 tiles of
+// [64][64] in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), 4-byte stores of column pairs.
 template <typename T, int kBlockM>
 __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[kBlockM / 2], int warp, int lane) {
-  static_assert(kBlockM == 64, "one 128-byte swizzle row per tile row");
+  static_assert(kBlockM % 64 == 0, "whole 128-byte swizzle rows");
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = 16 * warp + lane / 4 + 8 * h;  // columns 8 j + 2 (lane % 4): chunk j, 2 (lane % 4) inside it
-      *reinterpret_cast<uint32_t*>(tile + row * 64 + ((j ^ (row % 8)) * 8) + 2 * (lane % 4)) =
+      const int row = 16 * warp + lane / 4 + 8 * h;  // columns 8 j + 2 (lane % 4): chunk j % 8 of sub-tile j / 8
+      T* const sub_tile = tile + (j / 8) * 64 * 64;
+      *reinterpret_cast<uint32_t*>(sub_tile + row * 64 + (((j % 8) ^ (row % 8)) * 8) + 2 * (lane % 4)) =
           sm80::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
   }

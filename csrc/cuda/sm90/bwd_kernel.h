@@ -1,22 +1,25 @@
-// Hopper backward, version 0 (issue 3): warp-specialised, TMA + wgmma, head dims 64 and 128 (256: see
-// bwd_split_kernel.h). Off by default until it has passed the GPU suite: FLASHATTN_BWD_SM90=1 selects it on sm_90,
-// =strict raises instead of falling back to the sm80 kernel (csrc/cuda/sm80/bwd_kernel.h; same params, same
-// preprocessing and dQ conversion in flash_api.cpp).
+// Hopper backward, version 1 (issue 3): warp-specialised, TMA + wgmma, head dims 64 and 128 (256: see
+// bwd_split_kernel.h). FLASHATTN_BWD_SM90=0 selects the sm80 kernel (csrc/cuda/sm80/bwd_kernel.h; same params, same
+// preprocessing and dQ conversion in flash_api.cpp), =strict raises instead of falling back to it.
 //
 // CTA = one block of kBlockN = 128 keys of one (batch, kv head); 3 warpgroups. Warpgroup 0 is the producer: one
 // thread loads K and V once and then, for every query head of the kv head's group and every query block that sees
-// these keys, Q and dO blocks of kBlockM = 64 rows into a 2-stage ring (TMA, 128-byte swizzle, zero fill past L and
-// D). Warpgroups 1 and 2 each own 64 of the keys and work in the transposed frame, keys as the M dimension, so that
+// these keys, Q and dO blocks of kBlockM rows into a 2-stage ring (TMA, 128-byte swizzle, zero fill past L and D).
+// Warpgroups 1 and 2 each own 64 of the keys and work in the transposed frame, keys as the M dimension, so that
 // P^T and dS^T come out of the accumulators in the layout of a register A operand:
 //
 //     S^T  = K Q^T,  dP^T = V dO^T                    (SS wgmma, both in flight together)
 //     P^T  = exp2(S^T * scale_log2 - lse_log2)        (masked entries 0)
 //     dS^T = P^T * (dP^T - delta)
 //     dV  += P^T dO,  dK += dS^T Q                     (RS wgmma, Q and dO read transposed)
-//     dQ   = dS K, per 64-column chunk, from dS^T in shared memory (A read M-major); fp32 atomics into dq_accum
+//     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major)
 //
-// Each warpgroup adds the dQ of its own 64 keys (two atomics per element and CTA; version 1 shares dS between
-// them). dK (times scale) and dV are complete in registers at the end: one writer per element, no atomics.
+// dQ of a step is 64x64 tiles: two (kBlockM = 64 queries x D = 128, or 128 queries x D = 64), one per warpgroup.
+// Each goes registers -> swizzled shared memory -> one TMA reduce-add into the fp32 dq_accum: one reduction per
+// element and CTA, in bulk. Per-thread fp32 atomics (version 0: one per element and warpgroup) held the kernel at
+// 240 TFLOP/s at D128; without them it ran at 455 (benchmarks/NOTES.md). lse and delta of the next step are loaded
+// from global memory a step ahead, out of the critical path. dK (times scale) and dV are complete in registers at
+// the end: one writer per element, no atomics.
 #pragma once
 
 #include <cuda.h>
@@ -39,52 +42,60 @@ template <int HeadDim>
 struct BwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockN = 128;  // keys per CTA: two consumer warpgroups x 64
-  static constexpr int kBlockM = 64;   // queries per step: the N of S^T = K Q^T, one 128-byte swizzle row of dS^T
+  // Queries per step, the N of S^T = K Q^T: 128 at D64 (registers allow it: dK, dV are 32 each), 64 at D128. Either
+  // way a step's dQ is two 64x64 tiles, one per warpgroup.
+  static constexpr int kBlockM = HeadDim == 64 ? 128 : 64;
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
+  static constexpr int kQueryBlocks = kBlockM / 64;   // 64-query sub-tiles of a step (dS^T tile, dQ)
   static constexpr int kTileKV = kBlockN * HeadDim;   // elements
   static constexpr int kSubTileKV = kBlockN * 64;
   static constexpr int kTileQ = kBlockM * HeadDim;  // a Q or dO stage
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kTileDS = 64 * kBlockM;  // one consumer's dS^T: 64 keys x kBlockM queries
+  static constexpr int kTileDQ = 64 * 64;       // one consumer's dQ tile, fp32: two TMA boxes of 64 rows x 32 columns
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   template <typename T>
   static constexpr int smem_bytes() {
-    return (2 * kTileKV + 2 * kStages * kTileQ + 2 * kTileDS) * static_cast<int>(sizeof(T)) +
-           2 * 2 * kBlockM * static_cast<int>(sizeof(float)) /* lse, delta per consumer */ + 1024 /* alignment */ +
-           256 /* barriers */;
+    return 2 * kTileDQ * static_cast<int>(sizeof(float)) +
+           (2 * kTileKV + 2 * kStages * kTileQ + 2 * 2 * kTileDS) * static_cast<int>(sizeof(T)) +
+           2 * 2 * 2 * kBlockM * static_cast<int>(sizeof(float)) /* lse, delta per buffer and consumer */ +
+           1024 /* alignment */ + 256 /* barriers */;
   }
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward covers head dims 64 and 128");
+  static_assert(kQueryBlocks * kColumnBlocks == 2, "a step's dQ is one 64x64 tile per consumer warpgroup");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
 
 template <typename T, typename Traits>
 struct BwdSharedStorage {
-  T* k;                  // [kColumnBlocks][kBlockN][64], swizzled
+  float* dq;        // [2 consumers][2 boxes][64 rows][32 columns], swizzled: the TMA reduction's source
+  T* k;             // [kColumnBlocks][kBlockN][64], swizzled
   T* v;
-  T* q;                  // [kStages][kColumnBlocks][kBlockM][64]
+  T* q;             // [kStages][kColumnBlocks][kBlockM][64]
   T* dout;
-  T* ds;                 // [2 consumers][64 keys][kBlockM queries], swizzled (written by the consumers)
-  float* lse_log2;       // [2 consumers][kBlockM]
-  float* delta;          // [2 consumers][kBlockM]
+  T* ds;            // [2 buffers][2 consumers][kQueryBlocks][64 keys][64 queries], swizzled (written by the threads)
+  float* lse_log2;  // [2 buffers][2 consumers][kBlockM]
+  float* delta;     // [2 buffers][2 consumers][kBlockM]
   uint64_t* kv_full;
-  uint64_t* q_full;      // [kStages]
+  uint64_t* q_full;  // [kStages]
   uint64_t* do_full;
   uint64_t* q_empty;
   uint64_t* do_empty;
 
   __device__ explicit BwdSharedStorage(unsigned char* raw) {
-    k = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    dq = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    k = reinterpret_cast<T*>(dq + 2 * Traits::kTileDQ);
     v = k + Traits::kTileKV;
     q = v + Traits::kTileKV;
     dout = q + Traits::kStages * Traits::kTileQ;
     ds = dout + Traits::kStages * Traits::kTileQ;
-    lse_log2 = reinterpret_cast<float*>(ds + 2 * Traits::kTileDS);
-    delta = lse_log2 + 2 * Traits::kBlockM;
-    kv_full = reinterpret_cast<uint64_t*>(delta + 2 * Traits::kBlockM);
+    lse_log2 = reinterpret_cast<float*>(ds + 2 * 2 * Traits::kTileDS);
+    delta = lse_log2 + 2 * 2 * Traits::kBlockM;
+    kv_full = reinterpret_cast<uint64_t*>(delta + 2 * 2 * Traits::kBlockM);
     q_full = kv_full + 1;
     do_full = q_full + Traits::kStages;
     q_empty = do_full + Traits::kStages;
@@ -92,6 +103,7 @@ struct BwdSharedStorage {
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* dout_stage(int stage) const { return dout + stage * Traits::kTileQ; }
+  __device__ T* ds_tile(int buffer, int consumer) const { return ds + (2 * buffer + consumer) * Traits::kTileDS; }
 };
 
 // acc (64 keys x D) += A block, A from registers (P^T or dS^T, k16 steps over the block's queries), block (Q or dO,
@@ -106,17 +118,33 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
   }
 }
 
+// The accumulator of a 64x64 fp32 tile into two [64 rows][32 columns] boxes in the 128-byte swizzle (16-byte chunk c
+// of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores, two shared-memory wavefronts per
+// warp and store (the minimum for 256 bytes).
+__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[32], float factor, int warp,
+                                                         int lane) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * warp + lane / 4 + 8 * h;
+      const int col = 8 * (j % 4) + 2 * (lane % 4);  // inside box j / 4
+      float* const dst = tile + (j / 4) * 64 * 32 + row * 32 + ((col / 4) ^ (row % 8)) * 4 + col % 4;
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * j + 2 * h] * factor, acc[4 * j + 2 * h + 1] * factor);
+    }
+  }
+}
+
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                          const __grid_constant__ BwdParams p) {
+                          const __grid_constant__ CUtensorMap dq_map, const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
-  constexpr int kColumnBlocks = Traits::kColumnBlocks;
 
   const KeyBlock<Traits, kCausal> block(p);
   const int n_start = block.n_start;
@@ -144,139 +172,156 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int key0 = n_start + 64 * consumer + 16 * warp + lane / 4;  // + 8 for the thread's second row
   const T* const k_rows = smem.k + consumer * 64 * 64;  // this warpgroup's 64 rows inside each sub-tile
   const T* const v_rows = smem.v + consumer * 64 * 64;
-  T* const ds_tile = smem.ds + consumer * Traits::kTileDS;
-  float* const lse_log2 = smem.lse_log2 + consumer * kBlockM;
-  float* const delta = smem.delta + consumer * kBlockM;
-  const int barrier_id = 1 + consumer;  // this warpgroup's own named barrier (128 threads)
+  // This warpgroup's dQ tile of every step: a 64-query sub-tile and a 64-column block.
+  const int dq_query_block = consumer % Traits::kQueryBlocks;
+  const int dq_column_block = consumer / Traits::kQueryBlocks;
+  float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
+  constexpr int kConsumersBarrier = 1;            // 256 threads: both dS^T tiles of the step are in shared memory
+  const int dq_barrier = 2 + consumer;            // 128 threads: this warpgroup's dQ tile is in shared memory
   constexpr float kLog2e = 1.4426950408889634f;
+
+  // lse (log2 domain) and delta of a step's rows, staged per warpgroup in shared memory: at kBlockM = 128 thread t
+  // stages both of row t; at 64, threads 0-63 the lse and 64-127 the delta of row t % 64. A row past the end or with
+  // lse = -inf (it sees no key) contributes nothing: exp2(x - inf) = 0, and its delta is zeroed so that a non-finite
+  // dlse there cannot turn 0 * inf into NaN (the sm80 kernel's rule).
+  const int stats_row = thread % kBlockM;
+  const bool stages_lse = kBlockM == 128 || thread < kBlockM;
+  const bool stages_delta = kBlockM == 128 || thread >= kBlockM;
+  const int steps_per_head = block.num_m_blocks - block.m_begin;
+  const int num_steps = p.heads_per_kv * steps_per_head;
+  float row_lse = -INFINITY, row_delta = 0.f;  // loaded a step ahead
+  const auto load_stats = [&](int step) {
+    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
+    const int row = (block.m_begin + step % steps_per_head) * kBlockM + stats_row;
+    const int64_t index = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q + row;
+    row_lse = row < p.len_q ? p.lse[index] : -INFINITY;
+    row_delta = stages_delta && row < p.len_q ? p.delta[index] : 0.f;
+  };
+  const auto store_stats = [&](int buffer) {
+    const bool contributes = row_lse != -INFINITY;
+    const int offset = (2 * buffer + consumer) * kBlockM + stats_row;
+    if (stages_lse) smem.lse_log2[offset] = contributes ? row_lse * kLog2e : INFINITY;
+    if (stages_delta) smem.delta[offset] = contributes ? row_delta : 0.f;
+  };
+  load_stats(0);
+  store_stats(0);
+  named_barrier_sync(dq_barrier, 128);
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
   mbarrier_wait(smem.kv_full, 0);
-  int step = 0;
-  for (int g = 0; g < p.heads_per_kv; ++g) {
-    const int head = block.kv_head * p.heads_per_kv + g;
-    const int64_t row_base = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q;  // lse, delta, dq_accum
-    for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
-      const int stage = step % kStages;
-      const uint32_t parity = (step / kStages) & 1;
-      const int m_start = m_block * kBlockM;
+  for (int step = 0; step < num_steps; ++step) {
+    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
+    const int m_start = (block.m_begin + step % steps_per_head) * kBlockM;
+    const int stage = step % kStages;
+    const uint32_t parity = (step / kStages) & 1;
+    const int buffer = step % 2;  // dS^T tiles and lse/delta: written at step n, last read at step n - 1
+    const float* const lse_log2 = smem.lse_log2 + (2 * buffer + consumer) * kBlockM;
+    const float* const delta = smem.delta + (2 * buffer + consumer) * kBlockM;
+    if (step + 1 < num_steps) load_stats(step + 1);  // in flight during this step
 
-      // The block's lse (log2 domain) and delta for this warpgroup. The barrier also orders the last step's reads
-      // of these and of ds_tile (all before the previous dS barrier or wgmma wait) before this step's writes.
-      // A row past the end or with lse = -inf (it sees no key) contributes nothing: exp2(x - inf) = 0, and its
-      // delta is zeroed so that a non-finite dlse there cannot turn 0 * inf into NaN (the sm80 kernel's rule).
-      {
-        const int index = thread % kBlockM;
-        const int row = m_start + index;
-        const float row_lse = row < p.len_q ? p.lse[row_base + row] : -INFINITY;
-        const bool contributes = row_lse != -INFINITY;
-        if (thread < kBlockM) {
-          lse_log2[index] = contributes ? row_lse * kLog2e : INFINITY;
-        } else {
-          delta[index] = contributes ? p.delta[row_base + row] : 0.f;
-        }
-      }
-      named_barrier_sync(barrier_id, 128);
+    float s[kBlockM / 2], dp[kBlockM / 2];
+    mbarrier_wait(&smem.q_full[stage], parity);
+    issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
+    mbarrier_wait(&smem.do_full[stage], parity);
+    issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
 
-      float s[kBlockM / 2], dp[kBlockM / 2];
-      mbarrier_wait(&smem.q_full[stage], parity);
-      issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
-      mbarrier_wait(&smem.do_full[stage], parity);
-      issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
-
-      // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
-      wgmma_wait<1>();
-      wgmma_fence_registers(s);
-      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-                              (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+    // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
+    wgmma_wait<1>();
+    wgmma_fence_registers(s);
+    const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+                            (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
+    for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          const int key = key0 + 8 * (i / 2);
-          const int query = m_start + col;
-          const bool masked = needs_mask && (query >= p.len_q || key >= p.len_k ||
-                                             (kCausal && key > query + causal_shift));
-          const float x = sm80::fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
-          s[4 * j + i] = masked ? 0.f : x;
-        }
-      }
-
-      wgmma_wait<0>();
-      wgmma_fence_registers(dp);
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
-        }
-      }
-
-      // dS^T to shared memory for dQ = dS K, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
-      // (the wgmma async proxy reads what the threads wrote: fence, then the warpgroup barrier below).
-      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-      pack_a<T, kBlockM>(p_frag, s);
-      pack_a<T, kBlockM>(ds_frag, dp);
-      store_swizzled_tile<T, kBlockM>(ds_tile, dp, warp, lane);
-      fence_proxy_async_smem();
-
-      // dV += P^T dO and dK += dS^T Q, one group.
-      wgmma_fence_registers(dv);
-      wgmma_fence_registers(dk);
-      wgmma_fence_registers(p_frag);
-      wgmma_fence_registers(ds_frag);
-      wgmma_fence();
-      issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
-      issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
-      wgmma_commit();
-      named_barrier_sync(barrier_id, 128);  // every thread's part of dS^T is in shared memory
-
-      // dQ, one 64-column chunk at a time (32 accumulators): M = queries, K = this warpgroup's 64 keys, A = dS^T
-      // read M-major, B = the K rows read transposed (keys x 64 columns).
-#pragma unroll
-      for (int c = 0; c < kColumnBlocks; ++c) {
-        float dq[32];
-        wgmma_fence_registers(dq);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 64 / 16; ++kk) {
-          Wgmma<T, 64>::template ss<true, true>(dq, smem_desc_sw128(ds_tile + kk * 16 * 64),
-                                                smem_desc_sw128(k_rows + c * Traits::kSubTileKV + kk * 16 * 64),
-                                                kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();  // the first chunk's wait also ends dV/dK: Q and dO of the stage are free
-        wgmma_fence_registers(dq);
-        if (c == 0) {
-          wgmma_fence_registers(dv);
-          wgmma_fence_registers(dk);
-          wgmma_fence_registers(p_frag);  // read by the dV/dK wgmmas until here
-          wgmma_fence_registers(ds_frag);
-          mbarrier_arrive(&smem.q_empty[stage]);
-          mbarrier_arrive(&smem.do_empty[stage]);
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int query = m_start + 16 * warp + lane / 4 + 8 * h;
-          if (query >= p.len_q) continue;
-          float* const dq_row = p.dq_accum + (row_base + query) * p.head_dim;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int col = 64 * c + 8 * j + 2 * (lane % 4);
-            if (col < p.head_dim) {
-              atomicAdd(reinterpret_cast<float2*>(dq_row + col),
-                        make_float2(dq[4 * j + 2 * h] * p.scale, dq[4 * j + 2 * h + 1] * p.scale));
-            }
-          }
-        }
+      for (int i = 0; i < 4; ++i) {
+        const int col = 8 * j + 2 * (lane % 4) + i % 2;
+        const int key = key0 + 8 * (i / 2);
+        const int query = m_start + col;
+        const bool masked =
+            needs_mask && (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift));
+        const float x = sm80::fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
+        s[4 * j + i] = masked ? 0.f : x;
       }
     }
+
+    wgmma_wait<0>();
+    wgmma_fence_registers(dp);
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int col = 8 * j + 2 * (lane % 4) + i % 2;
+        dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
+      }
+    }
+
+    // dS^T to shared memory for dQ = dS K, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
+    // (the wgmma async proxy reads what the threads wrote: fence, then the barrier below).
+    uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+    pack_a<T, kBlockM>(p_frag, s);
+    pack_a<T, kBlockM>(ds_frag, dp);
+    store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
+    fence_proxy_async_smem();
+
+    // dV += P^T dO and dK += dS^T Q, one group.
+    wgmma_fence_registers(dv);
+    wgmma_fence_registers(dk);
+    wgmma_fence_registers(p_frag);
+    wgmma_fence_registers(ds_frag);
+    wgmma_fence();
+    issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
+    issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
+    wgmma_commit();
+
+    // The next step's lse/delta go to the other buffer (its last readers, step n - 1, passed the barrier below a
+    // step ago); the barrier publishes them with the dS^T tiles. Thread 0 first waits until the previous step's TMA
+    // reduction has read this warpgroup's dQ tile, so that after the barrier it may be overwritten.
+    if (step + 1 < num_steps) store_stats(buffer ^ 1);
+    if (thread == 0) bulk_wait_group_read<0>();
+    named_barrier_sync(kConsumersBarrier, 256);
+
+    // dQ tile = dS[query block] K[:, column block] over the CTA's 128 keys: A = the two dS^T tiles read M-major
+    // (k16 steps over keys), B = K rows read transposed.
+    float dq[32];
+    wgmma_fence_registers(dq);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const T* const ds = smem.ds_tile(buffer, kk / 4) + dq_query_block * 64 * 64 + (kk % 4) * 16 * 64;
+      const T* const k = smem.k + dq_column_block * Traits::kSubTileKV + kk * 16 * 64;
+      Wgmma<T, 64>::template ss<true, true>(dq, smem_desc_sw128(ds), smem_desc_sw128(k), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dV, dK done: Q and dO of the stage are free
+    wgmma_fence_registers(dv);
+    wgmma_fence_registers(dk);
+    wgmma_fence_registers(p_frag);  // read by the dV/dK wgmmas until here
+    wgmma_fence_registers(ds_frag);
+    mbarrier_arrive(&smem.q_empty[stage]);
+    mbarrier_arrive(&smem.do_empty[stage]);
+    wgmma_wait<0>();
+    wgmma_fence_registers(dq);
+
+    store_swizzled_fp32_tile(dq_tile, dq, p.scale, warp, lane);
+    fence_proxy_async_smem();
+    if (warp == 0) {
+      named_barrier_sync(dq_barrier, 128);
+      if (lane == 0) {
+        const int row = m_start + 64 * dq_query_block;
+        for (int box = 0; box < 2; ++box) {
+          tma_reduce_add_4d(&dq_map, dq_tile + box * 64 * 32, 64 * dq_column_block + 32 * box, row, head,
+                            block.batch);
+        }
+        bulk_commit_group();
+      }
+    } else {
+      named_barrier_arrive(dq_barrier, 128);
+    }
   }
+  if (thread == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
 
   // Epilogue: dK (times scale) and dV of this thread's two key rows, 4-byte stores (rows past Lk, columns past D
   // skipped). dk and dv are contiguous (B, Hk, Lk, D).
@@ -319,19 +364,23 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
       make_bhld_map(&v_map, params.v, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
                     params.v_batch_stride, params.v_head_stride, params.v_row_stride, Traits::kBlockN);
   if (!ok) return cudaErrorNotSupported;
-  constexpr auto kernel = [] {
-    if constexpr (HeadDim == 256) {
-      return flash_bwd_split_sm90_kernel<T, Traits, kCausal>;
-    } else {
-      return flash_bwd_sm90_kernel<T, Traits, kCausal>;
-    }
-  }();
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
-  if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * params.batch));
-  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, params);
+  if constexpr (HeadDim == 256) {
+    constexpr auto kernel = flash_bwd_split_sm90_kernel<T, Traits, kCausal>;
+    if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, params);
+  } else {
+    CUtensorMap dq_map;
+    if (!make_dq_accum_map(&dq_map, params.dq_accum, params.batch, params.heads, params.len_q, params.head_dim, 64)) {
+      return cudaErrorNotSupported;
+    }
+    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal>;
+    if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
+  }
   return cudaGetLastError();
 }
 

@@ -1,11 +1,12 @@
-// Hopper backward for head dim 256, version 0 (issue 3): written and compiled, not yet run; selected with the
+// Hopper backward for head dim 256 (issue 3; version log in benchmarks/NOTES.md), selected with the
 // Hopper backward (FLASHATTN_BWD_SM90, see bwd_kernel.h). At D = 256 one warpgroup cannot hold dK and dV of 64 keys
 // (256 registers per thread), so the two consumer warpgroups split the work by role and by half of the head dim:
 //
 //     warpgroup 1: S^T = K Q^T (64 keys x 64 queries, all 256 columns), P^T -> shared memory (bf16/fp16)
 //     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T passed in fp32 -> shared memory
 //     both, for their half h of the columns: dV[:, h] += P^T dO[:, h] and dK[:, h] += dS^T Q[:, h] (A operands
-//     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major): one fp32 atomic per dQ element and CTA.
+//     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major): one fp32 atomic per dQ element and CTA
+//     (16-byte vector atomics).
 //
 // CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once and Q and dO blocks of 64 rows
 // into a 2-stage ring, as in bwd_kernel.h. Three 256-thread named barriers per step: step start (lse/delta staged,
@@ -150,116 +151,129 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
   for (int i = 0; i < kHalf / 2; ++i) dk[i] = dv[i] = 0.f;
 
+  // lse (log2 domain, consumer 0) and delta (consumer 1) of a step's rows, loaded a step ahead (thread t < kBlockM:
+  // row t) and staged in shared memory at the step's start, with the sm80 kernel's rule for rows that contribute
+  // nothing (past Lq, or lse = -inf): +inf in the exponent and delta 0.
+  const int steps_per_head = block.num_m_blocks - block.m_begin;
+  const int num_steps = p.heads_per_kv * steps_per_head;
+  float row_lse = -INFINITY, row_delta = 0.f;
+  const auto load_stats = [&](int step) {
+    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
+    const int row = (block.m_begin + step % steps_per_head) * kBlockM + thread;
+    const int64_t index = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q + row;
+    row_lse = row < p.len_q ? p.lse[index] : -INFINITY;
+    row_delta = consumer == 1 && row < p.len_q ? p.delta[index] : 0.f;
+  };
+  if (thread < kBlockM) load_stats(0);
+
   mbarrier_wait(smem.kv_full, 0);
-  int step = 0;
-  for (int g = 0; g < p.heads_per_kv; ++g) {
-    const int head = block.kv_head * p.heads_per_kv + g;
-    const int64_t row_base = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q;  // lse, delta, dq_accum
-    for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
-      const int stage = step % kStages;
-      const uint32_t parity = (step / kStages) & 1;
-      const int m_start = m_block * kBlockM;
+  for (int step = 0; step < num_steps; ++step) {
+    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
+    const int64_t row_base = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q;  // dq_accum
+    const int m_start = (block.m_begin + step % steps_per_head) * kBlockM;
+    const int stage = step % kStages;
+    const uint32_t parity = (step / kStages) & 1;
 
-      // Consumer 0 stages lse (log2 domain), consumer 1 delta, with the sm80 kernel's rule for rows that contribute
-      // nothing (past Lq, or lse = -inf): +inf in the exponent and delta 0. The barrier also ends every read of the
-      // previous step's lse, delta, P^T and dS^T tiles (each warpgroup waited for its wgmmas before arriving).
-      if (thread < kBlockM) {
-        const int row = m_start + thread;
-        const float row_lse = row < p.len_q ? p.lse[row_base + row] : -INFINITY;
-        const bool contributes = row_lse != -INFINITY;
-        if (consumer == 0) {
-          smem.lse_log2[thread] = contributes ? row_lse * kLog2e : INFINITY;
-        } else {
-          smem.delta[thread] = contributes ? p.delta[row_base + row] : 0.f;
-        }
-      }
-      named_barrier_sync(kStepBarrier, 256);
-
-      float acc[kBlockM / 2];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
+    // The barrier publishes the statistics and ends every read of the previous step's lse, delta, P^T and dS^T
+    // tiles (each warpgroup waited for its wgmmas before arriving).
+    if (thread < kBlockM) {
+      const bool contributes = row_lse != -INFINITY;
       if (consumer == 0) {
-        mbarrier_wait(&smem.q_full[stage], parity);
-        issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
-        wgmma_wait<0>();
-        wgmma_fence_registers(acc);
-        const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-                                (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            const int key = key0 + 8 * (i / 2);
-            const int query = m_start + col;
-            const bool masked = needs_mask && (query >= p.len_q || key >= p.len_k ||
-                                               (kCausal && key > query + causal_shift));
-            const float x = sm80::fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
-            acc[4 * j + i] = masked ? 0.f : x;
-          }
-        }
-        store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
-#pragma unroll
-        for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
-        fence_proxy_async_smem();
-        named_barrier_arrive(kPReadyBarrier, 256);
+        smem.lse_log2[thread] = contributes ? row_lse * kLog2e : INFINITY;
       } else {
-        mbarrier_wait(&smem.do_full[stage], parity);
-        issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
-        wgmma_wait<0>();
-        wgmma_fence_registers(acc);
-        named_barrier_sync(kPReadyBarrier, 256);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            const float prob = smem.p_exact[(4 * j + i) * 128 + thread];
-            acc[4 * j + i] = prob * (acc[4 * j + i] - smem.delta[col]);  // dS^T
-          }
-        }
-        store_swizzled_tile<T, kBlockM>(smem.ds, acc, warp, lane);
-        fence_proxy_async_smem();
+        smem.delta[thread] = contributes ? row_delta : 0.f;
       }
-      named_barrier_sync(kDsReadyBarrier, 256);
+      if (step + 1 < num_steps) load_stats(step + 1);
+    }
+    named_barrier_sync(kStepBarrier, 256);
 
-      // Both: dV and dK for this warpgroup's half of the columns, then dQ for the same half.
-      mbarrier_wait(&smem.q_full[stage], parity);  // a completed phase: returns at once for the side that waited
-      mbarrier_wait(&smem.do_full[stage], parity);
-      wgmma_fence_registers(dv);
-      wgmma_fence_registers(dk);
-      wgmma_fence();
-      issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(stage) + 2 * consumer * Traits::kSubTileQ);
-      issue_tile_times_half<T, Traits>(dk, smem.ds, smem.q_stage(stage) + 2 * consumer * Traits::kSubTileQ);
-      wgmma_commit();
-      float dq[kHalf / 2];
-      wgmma_fence_registers(dq);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {  // M = queries, K = keys: dS^T read M-major, K rows transposed
-        Wgmma<T, kHalf>::template ss<true, true>(
-            dq, smem_desc_sw128(smem.ds + kk * 16 * 64),
-            smem_desc_sw128(smem.k + 2 * consumer * Traits::kSubTileKV + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)),
-            kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // dV, dK done: Q and dO of the stage are free
-      wgmma_fence_registers(dv);
-      wgmma_fence_registers(dk);
-      mbarrier_arrive(&smem.q_empty[stage]);
-      mbarrier_arrive(&smem.do_empty[stage]);
+    float acc[kBlockM / 2];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
+    if (consumer == 0) {
+      mbarrier_wait(&smem.q_full[stage], parity);
+      issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
       wgmma_wait<0>();
-      wgmma_fence_registers(dq);
+      wgmma_fence_registers(acc);
+      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+                              (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int query = m_start + 16 * warp + lane / 4 + 8 * h;
-        if (query >= p.len_q) continue;
-        float* const dq_row = p.dq_accum + (row_base + query) * p.head_dim;
+      for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-        for (int j = 0; j < kHalf / 8; ++j) {
-          const int col = column0 + 8 * j + 2 * (lane % 4);
-          if (col < p.head_dim) {
-            atomicAdd(reinterpret_cast<float2*>(dq_row + col),
-                      make_float2(dq[4 * j + 2 * h] * p.scale, dq[4 * j + 2 * h + 1] * p.scale));
-          }
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * (lane % 4) + i % 2;
+          const int key = key0 + 8 * (i / 2);
+          const int query = m_start + col;
+          const bool masked = needs_mask && (query >= p.len_q || key >= p.len_k ||
+                                             (kCausal && key > query + causal_shift));
+          const float x = sm80::fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
+          acc[4 * j + i] = masked ? 0.f : x;
         }
+      }
+      store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
+#pragma unroll
+      for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
+      fence_proxy_async_smem();
+      named_barrier_arrive(kPReadyBarrier, 256);
+    } else {
+      mbarrier_wait(&smem.do_full[stage], parity);
+      issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
+      wgmma_wait<0>();
+      wgmma_fence_registers(acc);
+      named_barrier_sync(kPReadyBarrier, 256);
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * (lane % 4) + i % 2;
+          const float prob = smem.p_exact[(4 * j + i) * 128 + thread];
+          acc[4 * j + i] = prob * (acc[4 * j + i] - smem.delta[col]);  // dS^T
+        }
+      }
+      store_swizzled_tile<T, kBlockM>(smem.ds, acc, warp, lane);
+      fence_proxy_async_smem();
+    }
+    named_barrier_sync(kDsReadyBarrier, 256);
+
+    // Both: dV and dK for this warpgroup's half of the columns, then dQ for the same half.
+    mbarrier_wait(&smem.q_full[stage], parity);  // a completed phase: returns at once for the side that waited
+    mbarrier_wait(&smem.do_full[stage], parity);
+    wgmma_fence_registers(dv);
+    wgmma_fence_registers(dk);
+    wgmma_fence();
+    issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(stage) + 2 * consumer * Traits::kSubTileQ);
+    issue_tile_times_half<T, Traits>(dk, smem.ds, smem.q_stage(stage) + 2 * consumer * Traits::kSubTileQ);
+    wgmma_commit();
+    float dq[kHalf / 2];
+    wgmma_fence_registers(dq);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {  // M = queries, K = keys: dS^T read M-major, K rows transposed
+      Wgmma<T, kHalf>::template ss<true, true>(
+          dq, smem_desc_sw128(smem.ds + kk * 16 * 64),
+          smem_desc_sw128(smem.k + 2 * consumer * Traits::kSubTileKV + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)),
+          kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dV, dK done: Q and dO of the stage are free
+    wgmma_fence_registers(dv);
+    wgmma_fence_registers(dk);
+    mbarrier_arrive(&smem.q_empty[stage]);
+    mbarrier_arrive(&smem.do_empty[stage]);
+    wgmma_wait<0>();
+    wgmma_fence_registers(dq);
+    // 16-byte atomics (sm_90): lanes 2i and 2i + 1 swap halves so that the even lane holds 4 consecutive columns
+    // of the first row and the odd lane those of the second (half the atomic instructions of 8-byte pairs).
+    const bool odd = lane % 2;
+    const int query = m_start + 16 * warp + lane / 4 + 8 * odd;
+    float* const dq_row = p.dq_accum + (row_base + query) * p.head_dim;
+#pragma unroll
+    for (int j = 0; j < kHalf / 8; ++j) {
+      const float give0 = odd ? dq[4 * j] : dq[4 * j + 2], give1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
+      const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1), take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+      const float4 sum = odd ? make_float4(take0, take1, dq[4 * j + 2], dq[4 * j + 3])
+                             : make_float4(dq[4 * j], dq[4 * j + 1], take0, take1);
+      const int col = column0 + 8 * j + 2 * (lane % 4 - odd);
+      if (query < p.len_q && col < p.head_dim) {
+        atomicAdd(reinterpret_cast<float4*>(dq_row + col),
+                  make_float4(sum.x * p.scale, sum.y * p.scale, sum.z * p.scale, sum.w * p.scale));
       }
     }
   }

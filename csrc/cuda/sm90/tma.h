@@ -54,6 +54,25 @@ inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int6
   return result == CUDA_SUCCESS;
 }
 
+// A 4-D map over the backward's fp32 dQ accumulator (B, H, Lq, D), contiguous, for TMA reductions: boxes of
+// `box_rows` rows x 32 columns (128 bytes, 128-byte swizzle). Coordinates (column, row, head, batch); parts past Lq
+// or D are skipped. Returns false if the driver rejects it.
+inline bool make_dq_accum_map(CUtensorMap* map, float* base, int64_t batch, int64_t heads, int64_t len,
+                              int64_t head_dim, uint32_t box_rows) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(len),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 4), static_cast<cuuint64_t>(len * head_dim * 4),
+                                 static_cast<cuuint64_t>(heads * len * head_dim * 4)};
+  const cuuint32_t box[4] = {32, box_rows, 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, element_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS;
+}
+
 // Lets `kernel` use `bytes` of dynamic shared memory. False, with no CUDA error left behind (the attribute error is
 // not sticky), if the device refuses: the caller may then launch a kernel that needs less.
 template <typename Kernel>
