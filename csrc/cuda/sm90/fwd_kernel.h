@@ -2,11 +2,11 @@
 // (FLASHATTN_FWD_SM90=0 selects the sm80 kernel). tests/test_sm90_primitives.py checks its parts one by one;
 // benchmarks/NOTES.md logs each version's figures.
 //
-// Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 3
+// Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 1 + kConsumers
 // warpgroups. Warpgroup 0 is the producer: one thread loads each tile's Q and its K/V blocks into a 2-stage ring
 // with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), running ahead into the next
-// tile. Q and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done
-// with it). Warpgroups 1 and 2 each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
+// tile. Q and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done
+// with it). The consumer warpgroups (2, or 3 at D64) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
 // overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
@@ -14,8 +14,8 @@
 //     wait for S; softmax(S) -> P[n] while the P V wgmma still runs
 //     wait for P V; rescale O; pack P[n]
 //
-// With kPingPong the two consumers also take turns issuing their GEMMs (two named barriers), so one warpgroup's
-// softmax runs while the other's GEMMs keep the tensor cores busy.
+// With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
+// warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
 #pragma once
 
 #include <cuda.h>
@@ -36,7 +36,12 @@ namespace flashattn::sm90 {
 template <int HeadDim, bool Causal>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockM = 128;  // two consumer warpgroups x 64 rows
+  // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
+  // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
+  // causal mask the 192-row tiles lose at L1k-2k (-14% at 1k: more masked work, fewer tiles to balance), so two.
+  // At D128/D256 the registers (O is 64/128 per thread) allow only two.
+  static constexpr int kConsumers = HeadDim == 64 && !Causal ? 3 : 2;
+  static constexpr int kBlockM = 64 * kConsumers;
   // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask
   // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
   // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
@@ -47,15 +52,15 @@ struct FwdTraits {
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
-  static constexpr int kNThreads = 3 * 128;
+  static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
   static constexpr int kTileKV = kBlockN * HeadDim;
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kSubTileKV = kBlockN * 64;
-  // Producer keeps few registers, consumers get the rest: 24 * 128 + 2 * 240 * 128 <= 64K.
+  // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
   template <typename T>
   static constexpr int smem_bytes() {
     return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
@@ -63,7 +68,8 @@ struct FwdTraits {
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper forward covers head dims 64, 128, 256");
   // setmaxnreg.inc blocks until registers are free: the rebalanced total must fit what the launch granted
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
-  static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
 
@@ -80,7 +86,7 @@ struct SharedStorage {
   uint64_t* k_empty;
   uint64_t* v_empty;
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
-  uint64_t* tile_empty;   // [2]: both consumers have read it
+  uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
 
   __device__ explicit SharedStorage(unsigned char* raw) {
@@ -255,16 +261,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const SharedStorage<T, Traits> smem(smem_raw);
   if (threadIdx.x == 0) {
     mbarrier_init(smem.q_full, 1);
-    mbarrier_init(smem.q_empty, 2 * 128);  // every consumer thread arrives once its last S GEMM of the tile is done
+    constexpr int kConsumerThreads = Traits::kConsumers * 128;
+    mbarrier_init(smem.q_empty, kConsumerThreads);  // every consumer thread arrives once its last S GEMM is done
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.k_full[s], 1);
       mbarrier_init(&smem.v_full[s], 1);
-      mbarrier_init(&smem.k_empty[s], 2 * 128);  // every consumer thread arrives once it has read the stage
-      mbarrier_init(&smem.v_empty[s], 2 * 128);
+      mbarrier_init(&smem.k_empty[s], kConsumerThreads);  // every consumer thread arrives once it has read the stage
+      mbarrier_init(&smem.v_empty[s], kConsumerThreads);
     }
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
-      mbarrier_init(&smem.tile_empty[slot], 2 * 128);
+      mbarrier_init(&smem.tile_empty[slot], kConsumerThreads);
     }
     fence_barrier_init();
   }
@@ -331,15 +338,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
   const T* const q_rows = smem.q + consumer * 64 * 64;  // this warpgroup's 64 rows inside each 64-column sub-tile
 
-  // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the other one go. Both see
-  // the same blocks; in each tile consumer 0 starts, and consumer 1 skips its last hand-over, so no arrival is
-  // left over when the tile ends.
+  // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the next one go (round
+  // robin). All see the same blocks; in each tile consumer 0 starts (the last consumer's arrival opens it), and
+  // the last consumer skips its last hand-over, so no arrival is left over when the tile ends.
+  constexpr int kLastConsumer = Traits::kConsumers - 1;
   const auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(1 + consumer, 256);
   };
   const auto pass_turn = [&](bool last) {
     if constexpr (Traits::kPingPong) {
-      if (!(last && consumer == 1)) named_barrier_arrive(2 - consumer, 256);
+      if (!(last && consumer == kLastConsumer)) named_barrier_arrive(1 + (consumer + 1) % Traits::kConsumers, 256);
     }
   };
 
@@ -367,11 +375,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int m_end = tile.m_end(p);
       const int pairs_per_row = p.head_dim / 2;
       const int thread = threadIdx.x - 128;
-      for (int i = thread; i < (m_end - tile.m_start) * pairs_per_row; i += 256) {
+      constexpr int kConsumerThreads = Traits::kConsumers * 128;
+      for (int i = thread; i < (m_end - tile.m_start) * pairs_per_row; i += kConsumerThreads) {
         const int row = tile.m_start + i / pairs_per_row;
         *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
       }
-      for (int row = tile.m_start + thread; row < m_end; row += 256) lse_base[row] = -INFINITY;
+      for (int row = tile.m_start + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
       continue;
     }
 
@@ -401,7 +410,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int last_col[2];
 
     if constexpr (Traits::kPingPong) {
-      if (consumer == 1) named_barrier_arrive(1, 256);
+      if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
     }
 
     // Block 0: S only (there is no P yet).
