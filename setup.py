@@ -69,10 +69,18 @@ def make_extension():
     dims = headdims()
     archs = cuda_archs()
     with_sm90 = "90a" in archs  # the Hopper kernels need sm_90a's wgmma/setmaxnreg
-    # One generated file per (kernel, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py.
+    # One generated file per (kernel, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py. The Hopper
+    # kernels exist for head dims 64, 128 and 256; each bucket runs in the smallest that holds it (launch.h).
+    sm90_dims = {64 if d <= 64 else 128 if d <= 128 else 256 for d in dims}
     for path in sorted((ROOT / "csrc/cuda/instantiations").glob("*.cu")):
         m = re.search(r"_hdim(\d+)_", path.name)
-        if m and int(m.group(1)) in dims and (with_sm90 or "_sm90_" not in path.name):
+        if not m:
+            continue
+        if "_sm90_" in path.name:
+            wanted = with_sm90 and int(m.group(1)) in sm90_dims
+        else:
+            wanted = int(m.group(1)) in dims
+        if wanted:
             sources.append(str(path.relative_to(ROOT)))
     sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/sm80/bwd_delta.cu"]
 

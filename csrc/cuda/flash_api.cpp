@@ -99,10 +99,11 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   return p;
 }
 
-// On Hopper (sm_90) the forward of head-dim buckets 64, 128 and 256 runs the TMA + wgmma kernel; strides TMA cannot
-// describe fall back to the sm80 kernel. FLASHATTN_FWD_SM90 overrides: "0" always uses sm80 (the portable path, for
-// comparison and tests), "strict" raises instead of falling back, so a test run proves the Hopper kernel ran.
-// FLASHATTN_BWD_SM90 does the same for the Hopper backward (buckets 64, 128, 256).
+// On Hopper (sm_90) the forward runs the TMA + wgmma kernel, each bucket in the one of head dim 64, 128 or 256 that
+// holds it (launch.h: sm90_kernel_head_dim); strides TMA cannot describe fall back to the sm80 kernel.
+// FLASHATTN_FWD_SM90 overrides: "0" always uses sm80 (the portable path, for comparison and tests), "strict" raises
+// instead of falling back, so a test run proves the Hopper kernel ran. FLASHATTN_BWD_SM90 does the same for the
+// Hopper backward (its fallback: the sm80 kernel up to bucket 128, the chunked backward above).
 enum class Sm90Mode { kOff, kOn, kStrict };
 
 Sm90Mode parse_sm90_mode(const char* variable, Sm90Mode unset) {
@@ -160,7 +161,7 @@ cudaError_t launch_fwd(const FwdParams& params, at::ScalarType dtype, int bucket
 #ifdef FLASHATTN_WITH_SM90
         if constexpr (sm90_fwd_covers(kHeadDim)) {
           if (use_sm90) {
-            err = sm90::run_fwd_sm90<T, kHeadDim, kCausal>(params, stream);
+            err = sm90::run_fwd_sm90<T, sm90_kernel_head_dim(kHeadDim), kCausal>(params, stream);
             if (err != cudaErrorNotSupported || sm90_fwd_mode() == Sm90Mode::kStrict) return;
             // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel instead
           }
@@ -248,7 +249,7 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
 #ifdef FLASHATTN_WITH_SM90
           if constexpr (sm90_bwd_covers(kHeadDim)) {
             if (use_sm90) {
-              err = sm90::run_bwd_sm90<T, kHeadDim, kCausal>(params, stream);
+              err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kHeadDim), kCausal>(params, stream);
               if (err != cudaErrorNotSupported || sm90_bwd_mode() == Sm90Mode::kStrict) return;
               // else: strides TMA cannot describe (or no shared memory for it): the sm80 kernel, or (D > 128, where
               // there is none) cudaErrorNotSupported for the caller to take the chunked backward

@@ -7,8 +7,8 @@ from pathlib import Path
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 BWD_HEAD_DIMS = (32, 64, 96, 128)  # the fused backward (launch.h: kMaxFusedBwdHeadDim)
-SM90_FWD_HEAD_DIMS = (64, 128, 256)  # Hopper forward (launch.h: sm90_fwd_covers)
-SM90_BWD_HEAD_DIMS = (64, 128, 256)  # Hopper backward (launch.h: sm90_bwd_covers)
+SM90_FWD_HEAD_DIMS = (64, 128, 256)  # Hopper forward (launch.h: sm90_kernel_head_dim)
+SM90_BWD_HEAD_DIMS = (64, 128, 256)  # Hopper backward (launch.h: sm90_kernel_head_dim)
 # (file prefix, header, launcher, params, head dims)
 KERNELS = (
     ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", HEAD_DIMS),

@@ -26,10 +26,14 @@ cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
 cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);
 }  // namespace sm80
 
-// The head-dim buckets of the Hopper kernels (instantiated only when sm_90a is in the arch list;
-// generate_instantiations.py lists the same buckets).
-constexpr bool sm90_fwd_covers(int bucket) { return bucket == 64 || bucket == 128 || bucket == 256; }
-constexpr bool sm90_bwd_covers(int bucket) { return bucket == 64 || bucket == 128 || bucket == 256; }
+// The Hopper kernels are built for head dims 64, 128 and 256 (instantiated only when sm_90a is in the arch list;
+// generate_instantiations.py lists the same, setup.py maps buckets to them the same way). A bucket runs in the
+// smallest of them that holds it: TMA zero-fills the columns past D, as it does for any D below a bucket.
+constexpr int sm90_kernel_head_dim(int bucket) { return bucket <= 64 ? 64 : bucket <= 128 ? 128 : 256; }
+// The buckets that take the Hopper kernels on sm_90: all of them (benchmarks/NOTES.md has the figures per bucket
+// against the sm80 and chunked paths).
+constexpr bool sm90_fwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
+constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>
