@@ -275,7 +275,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const c10::cuda::CUDAGuard device_guard(q.device());
 
   const int bucket = head_dim_bucket(s.head_dim);
-  // The fused kernel accumulates dQ with atomics (order-dependent): deterministic=True takes the chunked path.
+  // The fused kernels accumulate dQ with atomics or TMA reduce-adds (order-dependent): deterministic=True takes the
+  // chunked path.
   const bool use_sm90 = sm90_bwd_applies(bucket, q);
   const bool fused = fused_bwd_allowed() && !deterministic && (bucket <= kMaxFusedBwdHeadDim || use_sm90) &&
                      head_dim_bucket_built(bucket) && !s.empty() && s.len_k > 0;

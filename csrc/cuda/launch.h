@@ -30,8 +30,8 @@ cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream
 // generate_instantiations.py lists the same, setup.py maps buckets to them the same way). A bucket runs in the
 // smallest of them that holds it: TMA zero-fills the columns past D, as it does for any D below a bucket.
 constexpr int sm90_kernel_head_dim(int bucket) { return bucket <= 64 ? 64 : bucket <= 128 ? 128 : 256; }
-// The buckets that take the Hopper kernels on sm_90: all of them (benchmarks/NOTES.md has the figures per bucket
-// against the sm80 and chunked paths).
+// The buckets that take the Hopper kernels on sm_90: all of them, as measured against the sm80 and chunked paths
+// (benchmarks/NOTES.md); kept as the one place to take a bucket off them.
 constexpr bool sm90_fwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 

@@ -32,9 +32,10 @@ struct FwdParams {
   int* tile_counter;
 };
 
-// The fused backward (csrc/cuda/sm80/bwd_kernel.h). One CTA owns a block of keys of one kv head and walks the
-// query blocks of every query head of its group that can see them: dK and dV are complete in registers when it
-// ends (GQA sums included, no atomics); dQ is accumulated across CTAs with fp32 atomics into dq_accum.
+// The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).
+// One CTA owns a block of keys of one kv head and walks the query blocks of every query head of its group that can
+// see them: dK and dV are complete in registers when it ends (GQA sums included, no atomics); dQ is accumulated
+// across CTAs into dq_accum with fp32 atomics or TMA reduce-adds (order-dependent either way).
 struct BwdParams {
   const void* __restrict__ q;
   const void* __restrict__ k;

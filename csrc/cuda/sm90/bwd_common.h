@@ -111,7 +111,7 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
   }
 }
 
-// acc (64 rows x 64 columns) = A B^T over the head dim, A = 64 rows of a key tile (K or V), B = a query-block tile
+// acc (64 rows x kBlockM columns) = A B^T over the head dim, A = 64 rows of a key tile (K or V), B = a query-block tile
 // (Q or dO); both K-major, walked like the forward's S = Q K^T (k16 steps of 32 bytes, then the next sub-tile).
 template <typename T, typename Traits>
 __device__ __forceinline__ void issue_rows_times_block(float (&acc)[Traits::kBlockM / 2], const T* key_rows,

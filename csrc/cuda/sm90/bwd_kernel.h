@@ -119,8 +119,8 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
 }
 
 // The accumulator of a 64x64 fp32 tile into two [64 rows][32 columns] boxes in the 128-byte swizzle (16-byte chunk c
-// of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores, two shared-memory wavefronts per
-// warp and store (the minimum for 256 bytes).
+// of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores. A half-warp's rows r and r ^ 1 hit
+// the same two chunks, so a store takes 4 wavefronts instead of 2 (ncu; a per-lane chunk order would fix it).
 __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[32], float factor, int warp,
                                                          int lane) {
 #pragma unroll
@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int dq_barrier = 2 + consumer;            // 128 threads: this warpgroup's dQ tile is in shared memory
   constexpr float kLog2e = 1.4426950408889634f;
 
-  // lse (log2 domain) and delta of a step's rows, staged per warpgroup in shared memory: at kBlockM = 128 thread t
+  // lse (log2 domain) and delta of a step's rows, staged per warpgroup in shared memory (both warpgroups stage the
+  // same values, each its own copy, so that neither waits for the other): at kBlockM = 128 thread t
   // stages both of row t; at 64, threads 0-63 the lse and 64-127 the delta of row t % 64. A row past the end or with
   // lse = -inf (it sees no key) contributes nothing: exp2(x - inf) = 0, and its delta is zeroed so that a non-finite
   // dlse there cannot turn 0 * inf into NaN (the sm80 kernel's rule).
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   load_stats(0);
   store_stats(0);
-  named_barrier_sync(dq_barrier, 128);
+  named_barrier_sync(dq_barrier, 128);  // the warpgroup's own barrier, here publishing step 0's statistics
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
@@ -217,7 +218,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int m_start = (block.m_begin + step % steps_per_head) * kBlockM;
     const int stage = step % kStages;
     const uint32_t parity = (step / kStages) & 1;
-    const int buffer = step % 2;  // dS^T tiles and lse/delta: written at step n, last read at step n - 1
+    // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read at n.
+    const int buffer = step % 2;
     const float* const lse_log2 = smem.lse_log2 + (2 * buffer + consumer) * kBlockM;
     const float* const delta = smem.delta + (2 * buffer + consumer) * kBlockM;
     if (step + 1 < num_steps) load_stats(step + 1);  // in flight during this step

@@ -1,13 +1,13 @@
-// Hopper forward (issue 4): warp-specialised, TMA + wgmma, head dims 64, 128 and 256; the default on sm_90
-// (FLASHATTN_FWD_SM90=0 selects the sm80 kernel). tests/test_sm90_primitives.py checks its parts one by one;
-// benchmarks/NOTES.md logs each version's figures.
+// Hopper forward (issue 4): warp-specialised, TMA + wgmma, built for head dims 64, 128 and 256 (every bucket runs in
+// the smallest that holds it); the default on sm_90 (FLASHATTN_FWD_SM90=0 selects the sm80 kernel).
+// tests/test_sm90_primitives.py checks its parts one by one; benchmarks/NOTES.md logs each version's figures.
 //
-// Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 1 + kConsumers
-// warpgroups. Warpgroup 0 is the producer: one thread loads each tile's Q and its K/V blocks into a 2-stage ring
-// with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), running ahead into the next
-// tile. Q and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done
-// with it). The consumer warpgroups (2, or 3 at D64) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
-// overlap):
+// Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 1 +
+// kConsumers warpgroups. Warpgroup 0 is the producer: one thread loads each tile's Q and its K/V blocks into a
+// 2-stage ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), running ahead into
+// the next tile. Q and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
+// consumer done with it). The consumer warpgroups (2, or 3 at D64 without a causal mask) each own 64 query rows and
+// run, per key block n (FlashAttention-3's intra-warpgroup overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
