@@ -56,7 +56,56 @@ struct KeyBlock {
     // n_start - (Lk - Lq) (the last query sees every key, so some query block always remains).
     m_begin = kCausal ? max(0, n_start - (p.len_k - p.len_q)) / Traits::kBlockM : 0;
   }
+
+  // The consumers' steps: every query block that sees the keys, for every query head of the kv head's group.
+  __device__ int steps_per_head() const { return num_m_blocks - m_begin; }
+  __device__ int num_steps(const BwdParams& p) const { return p.heads_per_kv * steps_per_head(); }
+  __device__ int head(int step, const BwdParams& p) const { return kv_head * p.heads_per_kv + step / steps_per_head(); }
+  __device__ int m_start(int step) const { return (m_begin + step % steps_per_head()) * Traits::kBlockM; }
+  // Offset of the step's head in the (B, H, Lq) row arrays: lse, delta, and (times D) dq_accum.
+  __device__ int64_t row_base(int step, const BwdParams& p) const {
+    return (static_cast<int64_t>(batch) * p.heads + head(step, p)) * p.len_q;
+  }
 };
+
+// lse and delta of one query row, loaded a step ahead of their use, with the sm80 kernel's rule for rows that
+// contribute nothing (past Lq, or lse = -inf: they see no key): +inf in the exponent, so exp2(x - inf) = 0, and
+// delta 0, so that a non-finite dlse there cannot turn 0 * inf into NaN.
+struct RowStats {
+  static constexpr float kLog2e = 1.4426950408889634f;
+  float lse = -INFINITY, delta = 0.f;
+
+  __device__ void load(const BwdParams& p, int64_t row_base, int row, bool with_delta) {
+    lse = row < p.len_q ? p.lse[row_base + row] : -INFINITY;
+    delta = with_delta && row < p.len_q ? p.delta[row_base + row] : 0.f;
+  }
+  __device__ float lse_log2() const { return lse != -INFINITY ? lse * kLog2e : INFINITY; }
+  __device__ float delta_or_zero() const { return lse != -INFINITY ? delta : 0.f; }
+};
+
+// Epilogue of both kernels: kCols columns (from column0) of dK (times scale) and dV for this thread's two key rows,
+// 4-byte stores (rows past Lk, columns past D skipped). dk and dv are contiguous (B, Hk, Lk, D).
+template <typename T, int kCols, typename Block>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& block, int key0, int column0, int lane,
+                                            const float (&dk)[kCols / 2], const float (&dv)[kCols / 2]) {
+  const int64_t kv_row_base = (static_cast<int64_t>(block.batch) * p.heads_kv + block.kv_head) * p.len_k;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + 8 * h;
+    if (key >= p.len_k) continue;
+    T* const dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim;
+    T* const dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim;
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+      const int col = column0 + 8 * j + 2 * (lane % 4);
+      if (col < p.head_dim) {
+        *reinterpret_cast<uint32_t*>(dk_row + col) =
+            sm80::pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dv_row + col) = sm80::pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+}
 
 // Thread 0 initialises the pipeline's mbarriers: K/V once; per stage, Q and dO "full" (TMA bytes landed) and
 // "empty" (every consumer thread arrives once its GEMMs on the stage ended).

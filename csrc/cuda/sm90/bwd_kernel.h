@@ -178,31 +178,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
   constexpr int kConsumersBarrier = 1;            // 256 threads: both dS^T tiles of the step are in shared memory
   const int dq_barrier = 2 + consumer;            // 128 threads: this warpgroup's dQ tile is in shared memory
-  constexpr float kLog2e = 1.4426950408889634f;
 
-  // lse (log2 domain) and delta of a step's rows, staged per warpgroup in shared memory (both warpgroups stage the
-  // same values, each its own copy, so that neither waits for the other): at kBlockM = 128 thread t
-  // stages both of row t; at 64, threads 0-63 the lse and 64-127 the delta of row t % 64. A row past the end or with
-  // lse = -inf (it sees no key) contributes nothing: exp2(x - inf) = 0, and its delta is zeroed so that a non-finite
-  // dlse there cannot turn 0 * inf into NaN (the sm80 kernel's rule).
+  // lse (log2 domain) and delta of a step's rows (RowStats), staged per warpgroup in shared memory (both warpgroups
+  // stage the same values, each its own copy, so that neither waits for the other): at kBlockM = 128 thread t
+  // stages both of row t; at 64, threads 0-63 the lse and 64-127 the delta of row t % 64.
   const int stats_row = thread % kBlockM;
   const bool stages_lse = kBlockM == 128 || thread < kBlockM;
   const bool stages_delta = kBlockM == 128 || thread >= kBlockM;
-  const int steps_per_head = block.num_m_blocks - block.m_begin;
-  const int num_steps = p.heads_per_kv * steps_per_head;
-  float row_lse = -INFINITY, row_delta = 0.f;  // loaded a step ahead
+  const int num_steps = block.num_steps(p);
+  RowStats stats;  // loaded a step ahead
   const auto load_stats = [&](int step) {
-    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
-    const int row = (block.m_begin + step % steps_per_head) * kBlockM + stats_row;
-    const int64_t index = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q + row;
-    row_lse = row < p.len_q ? p.lse[index] : -INFINITY;
-    row_delta = stages_delta && row < p.len_q ? p.delta[index] : 0.f;
+    stats.load(p, block.row_base(step, p), block.m_start(step) + stats_row, stages_delta);
   };
   const auto store_stats = [&](int buffer) {
-    const bool contributes = row_lse != -INFINITY;
     const int offset = (2 * buffer + consumer) * kBlockM + stats_row;
-    if (stages_lse) smem.lse_log2[offset] = contributes ? row_lse * kLog2e : INFINITY;
-    if (stages_delta) smem.delta[offset] = contributes ? row_delta : 0.f;
+    if (stages_lse) smem.lse_log2[offset] = stats.lse_log2();
+    if (stages_delta) smem.delta[offset] = stats.delta_or_zero();
   };
   load_stats(0);
   store_stats(0);
@@ -214,8 +205,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   mbarrier_wait(smem.kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
-    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
-    const int m_start = (block.m_begin + step % steps_per_head) * kBlockM;
+    const int head = block.head(step, p);
+    const int m_start = block.m_start(step);
     const int stage = step % kStages;
     const uint32_t parity = (step / kStages) & 1;
     // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read at n.
@@ -325,25 +316,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   if (thread == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
 
-  // Epilogue: dK (times scale) and dV of this thread's two key rows, 4-byte stores (rows past Lk, columns past D
-  // skipped). dk and dv are contiguous (B, Hk, Lk, D).
-  const int64_t kv_row_base = (static_cast<int64_t>(block.batch) * p.heads_kv + block.kv_head) * p.len_k;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = key0 + 8 * h;
-    if (key >= p.len_k) continue;
-    T* const dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim;
-    T* const dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim;
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const int col = 8 * j + 2 * (lane % 4);
-      if (col < p.head_dim) {
-        *reinterpret_cast<uint32_t*>(dk_row + col) =
-            sm80::pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dv_row + col) = sm80::pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-      }
-    }
-  }
+  store_dk_dv<T, kHeadDim>(p, block, key0, 0, lane, dk, dv);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

@@ -145,43 +145,34 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int key0 = n_start + 16 * warp + lane / 4;  // + 8 for the thread's second row
   const int column0 = kHalf * consumer;
   constexpr int kStepBarrier = 1, kPReadyBarrier = 2, kDsReadyBarrier = 3;  // 256 threads each
-  constexpr float kLog2e = 1.4426950408889634f;
 
   float dk[kHalf / 2], dv[kHalf / 2];
 #pragma unroll
   for (int i = 0; i < kHalf / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // lse (log2 domain, consumer 0) and delta (consumer 1) of a step's rows, loaded a step ahead (thread t < kBlockM:
-  // row t) and staged in shared memory at the step's start, with the sm80 kernel's rule for rows that contribute
-  // nothing (past Lq, or lse = -inf): +inf in the exponent and delta 0.
-  const int steps_per_head = block.num_m_blocks - block.m_begin;
-  const int num_steps = p.heads_per_kv * steps_per_head;
-  float row_lse = -INFINITY, row_delta = 0.f;
+  // lse (log2 domain, consumer 0) and delta (consumer 1) of a step's rows (RowStats), loaded a step ahead (thread
+  // t < kBlockM: row t) and staged in shared memory at the step's start.
+  const int num_steps = block.num_steps(p);
+  RowStats stats;
   const auto load_stats = [&](int step) {
-    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
-    const int row = (block.m_begin + step % steps_per_head) * kBlockM + thread;
-    const int64_t index = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q + row;
-    row_lse = row < p.len_q ? p.lse[index] : -INFINITY;
-    row_delta = consumer == 1 && row < p.len_q ? p.delta[index] : 0.f;
+    stats.load(p, block.row_base(step, p), block.m_start(step) + thread, consumer == 1);
   };
   if (thread < kBlockM) load_stats(0);
 
   mbarrier_wait(smem.kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
-    const int head = block.kv_head * p.heads_per_kv + step / steps_per_head;
-    const int64_t row_base = (static_cast<int64_t>(block.batch) * p.heads + head) * p.len_q;  // dq_accum
-    const int m_start = (block.m_begin + step % steps_per_head) * kBlockM;
+    const int64_t row_base = block.row_base(step, p);  // dq_accum
+    const int m_start = block.m_start(step);
     const int stage = step % kStages;
     const uint32_t parity = (step / kStages) & 1;
 
     // The barrier publishes the statistics and ends every read of the previous step's lse, delta, P^T and dS^T
     // tiles (each warpgroup waited for its wgmmas before arriving).
     if (thread < kBlockM) {
-      const bool contributes = row_lse != -INFINITY;
       if (consumer == 0) {
-        smem.lse_log2[thread] = contributes ? row_lse * kLog2e : INFINITY;
+        smem.lse_log2[thread] = stats.lse_log2();
       } else {
-        smem.delta[thread] = contributes ? row_delta : 0.f;
+        smem.delta[thread] = stats.delta_or_zero();
       }
       if (step + 1 < num_steps) load_stats(step + 1);
     }
@@ -278,24 +269,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   }
 
-  // Epilogue: this warpgroup's half of dK (times scale) and dV for the CTA's 64 keys.
-  const int64_t kv_row_base = (static_cast<int64_t>(block.batch) * p.heads_kv + block.kv_head) * p.len_k;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = key0 + 8 * h;
-    if (key >= p.len_k) continue;
-    T* const dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim;
-    T* const dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim;
-#pragma unroll
-    for (int j = 0; j < kHalf / 8; ++j) {
-      const int col = column0 + 8 * j + 2 * (lane % 4);
-      if (col < p.head_dim) {
-        *reinterpret_cast<uint32_t*>(dk_row + col) =
-            sm80::pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dv_row + col) = sm80::pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-      }
-    }
-  }
+  store_dk_dv<T, kHalf>(p, block, key0, column0, lane, dk, dv);  // this warpgroup's half of the columns
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
