@@ -2,7 +2,8 @@
 
 A variant is "KERNEL D NAME=VALUE ...": the kernel (sm80 or sm90), the head-dim bucket, and FwdTraits constants to
 replace (csrc/cuda/sm80/fwd_kernel.h: kMTiles, kNWarps, kBlockN, kMinBlocksPerSM; csrc/cuda/sm90/fwd_kernel.h:
-kConsumers, kBlockN, kStages, kPingPong, kSkipUnitRescale). Each variant is a copy of this checkout under --scratch
+kConsumers, kBlockN, kStages, kPingPong and the
+experiment switches kSkipUnitRescale, kRescaleDuringQK, kPrefetchNextQ, kSoftmaxUnderPV). Each variant is a copy of this checkout under --scratch
 with those constants replaced, built for that head dim only, then timed with bench_sdpa.py in its own process.
 Builds run in parallel.
 A variant without replacements is the checkout as it is (the baseline of the same run). Used for the figures in
@@ -44,6 +45,7 @@ def main():
     parser.add_argument("--causal", default="both", choices=("both", "on", "off"))
     parser.add_argument("--archs", default="90a", help="FLASHATTN_CUDA_ARCHS of the variant builds")
     parser.add_argument("--jobs", default="4", help="MAX_JOBS of each variant build")
+    parser.add_argument("--backends", default="flash,cudnn", help="SDPA backends timed next to each variant")
     args = parser.parse_args()
 
     builds = []
@@ -70,7 +72,7 @@ def main():
         print(f"=== variant [{variant}]", flush=True)
         env = dict(os.environ, PYTHONPATH=str(root), FLASHATTN_FWD_SM90="strict" if kernel == "sm90" else "0")
         subprocess.run([sys.executable, str(REPO / "benchmarks/bench_sdpa.py"), "--head-dims", head_dim, "--lengths",
-                        args.lengths, "--causal", args.causal, "--backends", "flash,cudnn", "--naive-mem-gib", "0",
+                        args.lengths, "--causal", args.causal, "--backends", args.backends, "--naive-mem-gib", "0",
                         "--no-plot", "--out", str(root / "results")], env=env, check=False)
 
 

@@ -56,6 +56,15 @@ struct FwdTraits {
   // is bit-identical): D/2 multiplies per thread and block saved, at the price of a vote. Not yet measured: off until
   // a benchmark run says it pays (NOTES.md, next steps).
   static constexpr bool kSkipUnitRescale = false;
+  // Experiment (NOTES.md): rescale O by the previous block's factor while this block's S GEMM runs (after its issue,
+  // before the P V issue; FlashAttention-3's order) instead of between the P V wait and the next issue.
+  static constexpr bool kRescaleDuringQK = false;
+  // Experiment (NOTES.md): when the producer starts a tile, it takes the next tile's index and prefetches that Q
+  // into L2, so the Q load at the tile boundary (issued only once the last S GEMM has read the old Q) hits L2.
+  static constexpr bool kPrefetchNextQ = false;
+  // Experiment (NOTES.md): pin the softmax of S[n] before the wait for P[n-1] V[n-1] (ptxas otherwise hoists the
+  // wait above it, and the softmax never overlaps the warpgroup's own P V wgmma).
+  static constexpr bool kSoftmaxUnderPV = false;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -92,6 +101,7 @@ struct SharedStorage {
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
+  uint32_t* scratch;      // target of keep_before_wgmma_wait's never-taken store
 
   __device__ explicit SharedStorage(unsigned char* raw) {
     // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
@@ -107,6 +117,7 @@ struct SharedStorage {
     tile_full = v_empty + Traits::kStages;
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
+    scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
   }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::kTileKV; }
@@ -307,6 +318,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.batch);
         }
       }
+      // Dynamic: the next tile comes from the counter (each head's longest rows come first, so this is
+      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
+      const auto take_next = [&] {
+        const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
+        return take ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1) : index + static_cast<int>(gridDim.x);
+      };
+      int next = -1;
+      if constexpr (Traits::kPrefetchNextQ) {
+        next = take_next();
+        if (next < num_tiles) {
+          const TileT next_tile(next, num_m_blocks, p);
+          for (int c = 0; c < kColumnBlocks; ++c) {
+            tma_prefetch_l2_4d(&q_map, 64 * c, next_tile.m_start, next_tile.head, next_tile.batch);
+          }
+        }
+      }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
       // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
       for (int n_block = 0; n_block < tile.num_n_blocks; ++n_block, ++kv_loads) {
@@ -326,10 +353,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
       }
-      // Dynamic: take the next tile once this one is issued (each head's longest rows come first, so this is
-      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
-      const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
-      index = take ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
+      index = Traits::kPrefetchNextQ ? next : take_next();
     }
     return;
   }
@@ -412,6 +436,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     RowSoftmax<kBlockN> softmax;
     float rescale[2];
     int last_col[2];
+    // O *= the factor of the block whose softmax ran last (a no-op on O = 0 after block 0).
+    const auto rescale_o_by = [&](const float (&factor)[2]) {
+      if (!Traits::kSkipUnitRescale || !__all_sync(0xffffffffu, factor[0] == 1.f && factor[1] == 1.f)) {
+        rescale_o<kHeadDim>(o, factor);
+      }
+    };
 
     if constexpr (Traits::kPingPong) {
       if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
@@ -439,6 +469,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
       wait_turn();
       issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
+      if constexpr (Traits::kRescaleDuringQK) rescale_o_by(rescale);
       mbarrier_wait(&smem.v_full[prev], parity_of(n_block - 1));
       issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
       pass_turn(n_block == num_n_blocks - 1);
@@ -449,19 +480,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (n_block == num_n_blocks - 1) mbarrier_arrive(smem.q_empty);  // the producer may load the next Q
       last_cols(n_start, last_col);
       softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
+      if constexpr (Traits::kSoftmaxUnderPV) {
+        keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);
+      }
 
       wgmma_wait<0>();  // O and the P registers are free again
       wgmma_fence_registers(o);
       wgmma_fence_registers(p_frag);
       mbarrier_arrive(&smem.v_empty[prev]);
-      if (!Traits::kSkipUnitRescale || !__all_sync(0xffffffffu, rescale[0] == 1.f && rescale[1] == 1.f)) {
-        rescale_o<kHeadDim>(o, rescale);
-      }
+      if constexpr (!Traits::kRescaleDuringQK) rescale_o_by(rescale);
       pack_p<T, kBlockN>(p_frag, s);
     }
 
     // The last P V.
     const int last = stage_of(num_n_blocks - 1);
+    if constexpr (Traits::kRescaleDuringQK) rescale_o_by(rescale);
     mbarrier_wait(&smem.v_full[last], parity_of(num_n_blocks - 1));
     issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
     wgmma_wait<0>();

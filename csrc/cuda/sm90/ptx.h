@@ -29,6 +29,19 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Keeps ptxas from sinking the computation of `value` below the next wgmma_wait(): ptxas keeps shared-memory
+// stores in order around the wait, and this store is predicated on `value` (on an all-ones bit pattern, a NaN that
+// arithmetic never produces; if it ever held, the store would only write `scratch`). Without it ptxas hoists the
+// wait above independent math, e.g. the softmax that is meant to run while the P V wgmma is in flight.
+__device__ __forceinline__ void keep_before_wgmma_wait(float value, uint32_t* scratch) {
+  asm volatile(
+      "{\n.reg .pred never;\n"
+      "setp.eq.u32 never, %0, 0xffffffff;\n"
+      "@never st.shared.u32 [%1], %0;\n}\n" ::"r"(__float_as_uint(value)),
+      "r"(smem_addr(scratch))
+      : "memory");
+}
+
 // Keeps the compiler from moving register reads/writes across an asynchronous wgmma: call it on the accumulators
 // (and on A-operand registers) right before wgmma_fence() and right after wgmma_wait().
 template <int kRegs>
@@ -103,6 +116,15 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       "[%2];\n" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// TMA prefetch: pulls the box at coordinates (c0 innermost .. c3) into L2 without waiting or writing shared memory
+// (a later tma_load_4d of the same box then hits L2).
+__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
 }
 
 // TMA reduction: adds the shared-memory box to global memory at coordinates (c0 innermost .. c3) of a 4-D fp32
