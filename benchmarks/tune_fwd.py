@@ -2,10 +2,9 @@
 
 A variant is "KERNEL D NAME=VALUE ...": the kernel (sm80 or sm90), the head-dim bucket, and FwdTraits constants to
 replace (csrc/cuda/sm80/fwd_kernel.h: kMTiles, kNWarps, kBlockN, kMinBlocksPerSM; csrc/cuda/sm90/fwd_kernel.h:
-kConsumers, kBlockN, kStages, kPingPong and the
-experiment switches kSkipUnitRescale, kRescaleDuringQK, kPrefetchNextQ, kSoftmaxUnderPV). Each variant is a copy of this checkout under --scratch
-with those constants replaced, built for that head dim only, then timed with bench_sdpa.py in its own process.
-Builds run in parallel.
+kConsumers, kBlockN, kStages, kQStages, kPingPong, kSoftmaxUnderPV and the experiment switches). Each variant is a
+copy of this checkout under --scratch with those constants replaced, built for that head dim only, then timed with
+bench_sdpa.py in its own process. Builds run in parallel; --repeats times every variant again in later rounds.
 A variant without replacements is the checkout as it is (the baseline of the same run). Used for the figures in
 benchmarks/NOTES.md; one GPU call tunes several variants:
 
@@ -45,6 +44,8 @@ def main():
     parser.add_argument("--causal", default="both", choices=("both", "on", "off"))
     parser.add_argument("--archs", default="90a", help="FLASHATTN_CUDA_ARCHS of the variant builds")
     parser.add_argument("--jobs", default="4", help="MAX_JOBS of each variant build")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time every variant this many times, in rounds (run-to-run noise is a few percent)")
     parser.add_argument("--backends", default="flash,cudnn", help="SDPA backends timed next to each variant")
     args = parser.parse_args()
 
@@ -66,10 +67,11 @@ def main():
         log = (root / "build.log").read_text()
         spills = sorted(set(re.findall(r"\d+ bytes spill stores", log)) - {"0 bytes spill stores"})
         print(f"variant [{variant}]: build {status}; spills: {spills or 'none'}", flush=True)
-    for variant, kernel, head_dim, root, proc in builds:
+    for run, (variant, kernel, head_dim, root, proc) in enumerate(builds * args.repeats):
         if proc.returncode != 0:
             continue
-        print(f"=== variant [{variant}]", flush=True)
+        print(f"=== variant [{variant}]" + (f" (round {run // len(builds) + 1})" if args.repeats > 1 else ""),
+              flush=True)
         env = dict(os.environ, PYTHONPATH=str(root), FLASHATTN_FWD_SM90="strict" if kernel == "sm90" else "0")
         subprocess.run([sys.executable, str(REPO / "benchmarks/bench_sdpa.py"), "--head-dims", head_dim, "--lengths",
                         args.lengths, "--causal", args.causal, "--backends", args.backends, "--naive-mem-gib", "0",

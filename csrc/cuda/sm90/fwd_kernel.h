@@ -62,9 +62,13 @@ struct FwdTraits {
   // Experiment (NOTES.md): when the producer starts a tile, it takes the next tile's index and prefetches that Q
   // into L2, so the Q load at the tile boundary (issued only once the last S GEMM has read the old Q) hits L2.
   static constexpr bool kPrefetchNextQ = false;
-  // Experiment (NOTES.md): pin the softmax of S[n] before the wait for P[n-1] V[n-1] (ptxas otherwise hoists the
-  // wait above it, and the softmax never overlaps the warpgroup's own P V wgmma).
-  static constexpr bool kSoftmaxUnderPV = false;
+  // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
+  // and the softmax never overlaps the warpgroup's own P V wgmma. Measured (NOTES.md, v7): +1-5% without a mask
+  // (most at D256 and long L); 2-4% slower under a causal mask at D64 and D256, so off there.
+  static constexpr bool kSoftmaxUnderPV = !Causal;
+  // Experiment (NOTES.md): Q buffers. With 2 the producer loads the next tile's Q while this tile runs, so the
+  // consumers find it in place at the tile boundary (where shared memory allows: not at D256).
+  static constexpr int kQStages = 1;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -76,12 +80,14 @@ struct FwdTraits {
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
   template <typename T>
   static constexpr int smem_bytes() {
-    return (kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ + 256 /* bars */;
+    return (kQStages * kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ +
+           256 /* bars */;
   }
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper forward covers head dims 64, 128, 256");
   // setmaxnreg.inc blocks until registers are free: the rebalanced total must fit what the launch granted
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -89,11 +95,11 @@ struct FwdTraits {
 // The shared-memory pipeline: Q once, K and V stages, each with its "full" and "empty" mbarriers.
 template <typename T, typename Traits>
 struct SharedStorage {
-  T* q;                   // [kColumnBlocks][kBlockM][64]
+  T* q;                   // [kQStages][kColumnBlocks][kBlockM][64]
   T* k;                   // [kStages][kColumnBlocks][kBlockN][64]
   T* v;
-  uint64_t* q_full;
-  uint64_t* q_empty;
+  uint64_t* q_full;       // [kQStages]
+  uint64_t* q_empty;      // [kQStages]
   uint64_t* k_full;       // [kStages]
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -106,11 +112,11 @@ struct SharedStorage {
   __device__ explicit SharedStorage(unsigned char* raw) {
     // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
     q = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-    k = q + Traits::kTileQ;
+    k = q + Traits::kQStages * Traits::kTileQ;
     v = k + Traits::kStages * Traits::kTileKV;
     q_full = reinterpret_cast<uint64_t*>(v + Traits::kStages * Traits::kTileKV);
-    q_empty = q_full + 1;
-    k_full = q_full + 2;
+    q_empty = q_full + Traits::kQStages;
+    k_full = q_empty + Traits::kQStages;
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
@@ -119,6 +125,7 @@ struct SharedStorage {
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
   }
+  __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::kTileKV; }
 };
@@ -275,9 +282,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   const SharedStorage<T, Traits> smem(smem_raw);
   if (threadIdx.x == 0) {
-    mbarrier_init(smem.q_full, 1);
     constexpr int kConsumerThreads = Traits::kConsumers * 128;
-    mbarrier_init(smem.q_empty, kConsumerThreads);  // every consumer thread arrives once its last S GEMM is done
+    for (int s = 0; s < Traits::kQStages; ++s) {
+      mbarrier_init(&smem.q_full[s], 1);
+      mbarrier_init(&smem.q_empty[s], kConsumerThreads);  // every consumer thread arrives after its last S GEMM
+    }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.k_full[s], 1);
       mbarrier_init(&smem.v_full[s], 1);
@@ -310,12 +319,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (index >= num_tiles) break;
       const TileT tile(index, num_m_blocks, p);
       if (tile.num_n_blocks > 0) {
-        if (q_loads > 0) mbarrier_wait(smem.q_empty, (q_loads - 1) & 1);
+        const int q_stage = q_loads % Traits::kQStages;
+        const int q_use = q_loads / Traits::kQStages;
+        if (q_use > 0) mbarrier_wait(&smem.q_empty[q_stage], (q_use - 1) & 1);
         ++q_loads;
-        mbarrier_arrive_expect_tx(smem.q_full, Traits::kTileQ * sizeof(T));
+        mbarrier_arrive_expect_tx(&smem.q_full[q_stage], Traits::kTileQ * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
-          tma_load_4d(smem.q + c * Traits::kSubTileQ, &q_map, smem.q_full, 64 * c, tile.m_start, tile.head,
-                      tile.batch);
+          tma_load_4d(smem.q_stage(q_stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[q_stage], 64 * c,
+                      tile.m_start, tile.head, tile.batch);
         }
       }
       // Dynamic: the next tile comes from the counter (each head's longest rows come first, so this is
@@ -364,7 +375,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp = (threadIdx.x / 32) % 4;  // warp inside the warpgroup: 16 rows each
   const int lane = threadIdx.x % 32;
   const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
-  const T* const q_rows = smem.q + consumer * 64 * 64;  // this warpgroup's 64 rows inside each 64-column sub-tile
 
   // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the next one go (round
   // robin). All see the same blocks; in each tile consumer 0 starts (the last consumer's arrival opens it), and
@@ -448,8 +458,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 
     // Block 0: S only (there is no P yet).
-    mbarrier_wait(smem.q_full, q_loads & 1);
+    const int q_stage = q_loads % Traits::kQStages;
+    mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
     ++q_loads;
+    const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
     mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
     wait_turn();
     issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(0)));
@@ -457,7 +469,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_wait<0>();
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
-    if (num_n_blocks == 1) mbarrier_arrive(smem.q_empty);
+    if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
     last_cols(0, last_col);
     softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
     pack_p<T, kBlockN>(p_frag, s);
@@ -477,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
       mbarrier_arrive(&smem.k_empty[stage]);
-      if (n_block == num_n_blocks - 1) mbarrier_arrive(smem.q_empty);  // the producer may load the next Q
+      if (n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_stage]);  // the producer may reuse it
       last_cols(n_start, last_col);
       softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
       if constexpr (Traits::kSoftmaxUnderPV) {
