@@ -52,6 +52,9 @@ struct FwdTraits {
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
+  // Experiment (NOTES.md): the turns run on across tiles (instead of restarting with consumer 0 in every tile), so
+  // a consumer that finished its epilogue starts the next tile without waiting for the others' epilogues.
+  static constexpr bool kTurnsAcrossTiles = true;
   // Skip the O rescale of a block where no row of the warp changed its max (every factor is exactly 1, so the result
   // is bit-identical): D/2 multiplies per thread and block saved, at the price of a vote. Not yet measured: off until
   // a benchmark run says it pays (NOTES.md, next steps).
@@ -385,9 +388,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   const auto pass_turn = [&](bool last) {
     if constexpr (Traits::kPingPong) {
-      if (!(last && consumer == kLastConsumer)) named_barrier_arrive(1 + (consumer + 1) % Traits::kConsumers, 256);
+      if (Traits::kTurnsAcrossTiles || !(last && consumer == kLastConsumer)) {
+        named_barrier_arrive(1 + (consumer + 1) % Traits::kConsumers, 256);
+      }
     }
   };
+  if constexpr (Traits::kPingPong && Traits::kTurnsAcrossTiles) {
+    if (consumer == kLastConsumer) named_barrier_arrive(1, 256);  // consumer 0 takes the first turn
+  }
 
   const bool negate = p.scale_log2 < 0.f;
   const float scale_log2 = fabsf(p.scale_log2);
@@ -453,7 +461,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     };
 
-    if constexpr (Traits::kPingPong) {
+    if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
       if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
     }
 
@@ -540,6 +548,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
     }
+  }
+  if constexpr (Traits::kPingPong && Traits::kTurnsAcrossTiles) {
+    if (consumer == 0) named_barrier_sync(1, 256);  // the last consumer's final hand-over
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
