@@ -29,8 +29,8 @@ def make_variant(kernel: str, overrides: dict, root: Path) -> None:
     header = root / HEADERS[kernel]
     text = header.read_text()
     for name, value in overrides.items():
-        text, count = re.subn(rf"static constexpr (int|bool) {name} = [^;]+;", rf"static constexpr \1 {name} = {value};",
-                              text)
+        text, count = re.subn(rf"static constexpr (int|bool) {name} = [^;]+;",
+                              rf"static constexpr \1 {name} = {value};", text)
         if count != 1:
             raise SystemExit(f"{name} not found exactly once in {header}")
     header.write_text(text)

@@ -5,13 +5,15 @@
 // Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 1 +
 // kConsumers warpgroups. Warpgroup 0 is the producer: one thread loads each tile's Q and its K/V blocks into a
 // 2-stage ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), running ahead into
-// the next tile. Q and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
-// consumer done with it). The consumer warpgroups (2, or 3 at D64 without a causal mask) each own 64 query rows and
-// run, per key block n (FlashAttention-3's intra-warpgroup overlap):
+// the next tile (into a second Q buffer where kQStages = 2). Each Q buffer and each K and V stage have a "full"
+// mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it). The consumer warpgroups (2, or 3 at
+// D64 without a causal mask) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
+// overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
-//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs
+//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (kSoftmaxUnderPV keeps ptxas from moving
+//                                                                   the second wait above the softmax)
 //     wait for P V; rescale O; pack P[n]
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
@@ -52,26 +54,18 @@ struct FwdTraits {
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
-  // Experiment (NOTES.md): the turns run on across tiles (instead of restarting with consumer 0 in every tile), so
-  // a consumer that finished its epilogue starts the next tile without waiting for the others' epilogues.
-  static constexpr bool kTurnsAcrossTiles = true;
-  // Skip the O rescale of a block where no row of the warp changed its max (every factor is exactly 1, so the result
-  // is bit-identical): D/2 multiplies per thread and block saved, at the price of a vote. Not yet measured: off until
-  // a benchmark run says it pays (NOTES.md, next steps).
-  static constexpr bool kSkipUnitRescale = false;
-  // Experiment (NOTES.md): rescale O by the previous block's factor while this block's S GEMM runs (after its issue,
-  // before the P V issue; FlashAttention-3's order) instead of between the P V wait and the next issue.
-  static constexpr bool kRescaleDuringQK = false;
-  // Experiment (NOTES.md): when the producer starts a tile, it takes the next tile's index and prefetches that Q
-  // into L2, so the Q load at the tile boundary (issued only once the last S GEMM has read the old Q) hits L2.
-  static constexpr bool kPrefetchNextQ = false;
+  // The turns run on across tiles instead of restarting with consumer 0 in every tile, so a consumer that has
+  // finished its epilogue starts the next tile without waiting for the others' epilogues. Measured (NOTES.md, v7):
+  // +1-5% at D64/D128 (most at L1k), +0-2% at D256 without a mask, 1-1.5% slower at D256 causal, so off there.
+  static constexpr bool kTurnsAcrossTiles = !(HeadDim == 256 && Causal);
   // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
   // and the softmax never overlaps the warpgroup's own P V wgmma. Measured (NOTES.md, v7): +1-5% without a mask
   // (most at D256 and long L); 2-4% slower under a causal mask at D64 and D256, so off there.
   static constexpr bool kSoftmaxUnderPV = !Causal;
-  // Experiment (NOTES.md): Q buffers. With 2 the producer loads the next tile's Q while this tile runs, so the
-  // consumers find it in place at the tile boundary (where shared memory allows: not at D256).
-  static constexpr int kQStages = 1;
+  // Q buffers: with two the producer loads the next tile's Q while this tile runs. Pays only at D64 (+1-5% with the
+  // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
+  // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
+  static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -95,7 +89,7 @@ struct FwdTraits {
                 "producer + consumer registers exceed the register file");
 };
 
-// The shared-memory pipeline: Q once, K and V stages, each with its "full" and "empty" mbarriers.
+// The shared-memory pipeline: Q buffers, K and V stages, each with its "full" and "empty" mbarriers.
 template <typename T, typename Traits>
 struct SharedStorage {
   T* q;                   // [kQStages][kColumnBlocks][kBlockM][64]
@@ -332,22 +326,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.m_start, tile.head, tile.batch);
         }
       }
-      // Dynamic: the next tile comes from the counter (each head's longest rows come first, so this is
-      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
-      const auto take_next = [&] {
-        const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
-        return take ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1) : index + static_cast<int>(gridDim.x);
-      };
-      int next = -1;
-      if constexpr (Traits::kPrefetchNextQ) {
-        next = take_next();
-        if (next < num_tiles) {
-          const TileT next_tile(next, num_m_blocks, p);
-          for (int c = 0; c < kColumnBlocks; ++c) {
-            tma_prefetch_l2_4d(&q_map, 64 * c, next_tile.m_start, next_tile.head, next_tile.batch);
-          }
-        }
-      }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
       // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
       for (int n_block = 0; n_block < tile.num_n_blocks; ++n_block, ++kv_loads) {
@@ -367,7 +345,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
       }
-      index = Traits::kPrefetchNextQ ? next : take_next();
+      // Dynamic: take the next tile once this one is issued (each head's longest rows come first, so this is
+      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
+      const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
+      index = take ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
     }
     return;
   }
@@ -380,8 +361,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
 
   // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the next one go (round
-  // robin). All see the same blocks; in each tile consumer 0 starts (the last consumer's arrival opens it), and
-  // the last consumer skips its last hand-over, so no arrival is left over when the tile ends.
+  // robin). All see the same blocks, so all take the same number of turns. Consumer 0 goes first (the last
+  // consumer's arrival opens it). With kTurnsAcrossTiles the turns run on from tile to tile, and consumer 0 takes
+  // up the last consumer's final hand-over after its last tile; otherwise each tile starts afresh and the last
+  // consumer skips its last hand-over in each tile. Either way no arrival is left over when the CTA ends.
   constexpr int kLastConsumer = Traits::kConsumers - 1;
   const auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(1 + consumer, 256);
@@ -454,12 +437,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     RowSoftmax<kBlockN> softmax;
     float rescale[2];
     int last_col[2];
-    // O *= the factor of the block whose softmax ran last (a no-op on O = 0 after block 0).
-    const auto rescale_o_by = [&](const float (&factor)[2]) {
-      if (!Traits::kSkipUnitRescale || !__all_sync(0xffffffffu, factor[0] == 1.f && factor[1] == 1.f)) {
-        rescale_o<kHeadDim>(o, factor);
-      }
-    };
 
     if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
       if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
@@ -489,7 +466,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
       wait_turn();
       issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
-      if constexpr (Traits::kRescaleDuringQK) rescale_o_by(rescale);
       mbarrier_wait(&smem.v_full[prev], parity_of(n_block - 1));
       issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
       pass_turn(n_block == num_n_blocks - 1);
@@ -508,13 +484,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence_registers(o);
       wgmma_fence_registers(p_frag);
       mbarrier_arrive(&smem.v_empty[prev]);
-      if constexpr (!Traits::kRescaleDuringQK) rescale_o_by(rescale);
+      rescale_o<kHeadDim>(o, rescale);
       pack_p<T, kBlockN>(p_frag, s);
     }
 
     // The last P V.
     const int last = stage_of(num_n_blocks - 1);
-    if constexpr (Traits::kRescaleDuringQK) rescale_o_by(rescale);
     mbarrier_wait(&smem.v_full[last], parity_of(num_n_blocks - 1));
     issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
     wgmma_wait<0>();

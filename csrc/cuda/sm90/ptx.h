@@ -118,15 +118,6 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
-// TMA prefetch: pulls the box at coordinates (c0 innermost .. c3) into L2 without waiting or writing shared memory
-// (a later tma_load_4d of the same box then hits L2).
-__device__ __forceinline__ void tma_prefetch_l2_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-
 // TMA reduction: adds the shared-memory box to global memory at coordinates (c0 innermost .. c3) of a 4-D fp32
 // tensor map (elements out of bounds are skipped). Completion is tracked per thread by bulk groups.
 __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const void* smem_src, int c0, int c1,
