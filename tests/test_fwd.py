@@ -243,6 +243,30 @@ def test_cuda_non_default_stream():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    "batch,heads,len_q,len_k",
+    [(2, 16, 1024, 1024), (2, 12, 1300, 1300), (1, 16, 1300, 1700)],
+    ids=["zigzag-128", "zigzag-132", "counter"],  # the schedule "auto" takes on a 132-SM H200 (launch.h)
+)
+def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q, len_k):
+    # On Hopper the causal tiles are handed out in static zigzag rounds or from a counter. A tile's result must not
+    # depend on the CTA that computed it: both schedules give correct, bit-identical outputs over several rounds.
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    monkeypatch.delenv("FLASHATTN_FWD_SCHEDULE", raising=False)
+    out, lse = fwd(q, k, v, True)
+    assert_attention_close(out, lse, q, k, v, causal=True)
+    monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", "counter")
+    out_counter, lse_counter = fwd(q, k, v, True)
+    assert torch.equal(out, out_counter) and torch.equal(lse, lse_counter)
+    hopper_forward = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90") != "0"
+    if hopper_forward:  # the variable is read only where the Hopper kernel runs
+        monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", "static")
+        with pytest.raises(RuntimeError, match="FLASHATTN_FWD_SCHEDULE must be auto or counter"):
+            fwd(q, k, v, True)
+
+
+@pytest.mark.cuda
 @pytest.mark.large
 @pytest.mark.skipif(os.environ.get("FLASHATTN_TEST_LARGE") != "1", reason="set FLASHATTN_TEST_LARGE=1 (~20 GiB)")
 @pytest.mark.parametrize(

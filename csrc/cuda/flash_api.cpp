@@ -125,6 +125,20 @@ Sm90Mode sm90_bwd_mode() {
   return mode;
 }
 
+// The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h), else a tile counter.
+// FLASHATTN_FWD_SCHEDULE=counter forces the counter (read per call, for tests and comparisons).
+bool sm90_causal_static_schedule(const FwdParams& params, const at::Tensor& q) {
+  const char* env = std::getenv("FLASHATTN_FWD_SCHEDULE");
+  if (env != nullptr && *env != '\0') {
+    TORCH_CHECK(std::strcmp(env, "counter") == 0 || std::strcmp(env, "auto") == 0,
+                "FLASHATTN_FWD_SCHEDULE must be auto or counter, got '", env, "'");
+    if (std::strcmp(env, "counter") == 0) return false;
+  }
+  const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const int64_t num_m_blocks = (params.len_q + kSm90CausalBlockM - 1) / kSm90CausalBlockM;
+  return sm90_causal_zigzag_grid(num_m_blocks, num_m_blocks * params.heads * params.batch, num_sms) > 0;
+}
+
 bool is_sm90(const at::Tensor& q) {
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
   return props->major == 9 && props->minor == 0;
@@ -196,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
   const bool use_sm90 = sm90_fwd_applies(bucket, q);
   at::Tensor tile_counter;  // freed after the launch is enqueued: the caching allocator orders reuse on the stream
-  if (use_sm90 && causal) {
+  if (use_sm90 && causal && !sm90_causal_static_schedule(params, q)) {
     tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
     params.tile_counter = tile_counter.data_ptr<int>();
   }

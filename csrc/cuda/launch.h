@@ -35,6 +35,25 @@ constexpr int sm90_kernel_head_dim(int bucket) { return bucket <= 64 ? 64 : buck
 constexpr bool sm90_fwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 
+// The causal Hopper forward's schedule. Its tiles (kSm90CausalBlockM query rows of one batch and head, numbered with
+// the query block fastest, each head's longest rows first) differ in length. Static zigzag rounds (round r gives CTA
+// c the tile r * grid + c, odd rounds counted from the other end) pair each long tile with a short one when the
+// rounds pair up: a grid that is a multiple of the query blocks per head with an even number of full rounds, or a
+// grid that divides a head's query blocks an even number of times. Then the work is even to a few percent
+// (benchmarks/schedule_balance.py) with no counter, memset or atomics. This returns the largest such grid within
+// 1/32 below the SM count, or 0 if there is none: then the CTAs take their tiles from a zeroed counter
+// (FwdParams::tile_counter) instead.
+inline constexpr int kSm90CausalBlockM = 128;
+constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms) {
+  for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {
+    if (num_tiles <= size) return size;  // one tile per CTA
+    const bool whole_heads = size % num_m_blocks == 0 && num_tiles % (2 * size) == 0;
+    const bool split_heads = num_m_blocks % (2 * size) == 0;
+    if (whole_heads || split_heads) return size;
+  }
+  return 0;
+}
+
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);

@@ -27,8 +27,9 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): the kernels work in exp2
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
 
-  // Hopper forward only: a zeroed int32 from which the persistent CTAs take their next tile (used under a causal
-  // mask, where tiles differ in length); null means a static round-robin over the tiles.
+  // Hopper forward only: a zeroed int32 from which the persistent CTAs take their next tile under a causal mask,
+  // where tiles differ in length; null means a static order (a stride, or under a causal mask the zigzag rounds of
+  // launch.h: sm90_causal_zigzag_grid).
   int* tile_counter;
 };
 

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "cuda/launch.h"  // kSm90CausalBlockM, sm90_causal_zigzag_grid
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"  // pack2, fast_exp2
 #include "cuda/sm90/ptx.h"
@@ -48,8 +49,9 @@ struct FwdTraits {
   // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
   // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
   static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : 80;
-  // Causal tiles differ in length: the CTAs take them from a global counter (longest first) instead of a fixed
-  // stride. Only then does the producer hand tile indices to the consumers (it costs consumer registers).
+  // Causal tiles differ in length: the CTAs take them from a global counter (longest first) or in zigzag rounds
+  // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
+  // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
@@ -85,6 +87,7 @@ struct FwdTraits {
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
+  static_assert(!Causal || kBlockM == kSm90CausalBlockM, "the host chooses the causal schedule for this tile height");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -257,8 +260,8 @@ struct Tile {
 };
 
 // Persistent: one CTA per SM. Its first tile is blockIdx.x; then a fixed stride of gridDim.x, or, with
-// kDynamicTiles, the producer takes the next one from params.tile_counter and hands its index to the consumers
-// through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the
+// kDynamicTiles, the producer takes the next one from params.tile_counter (or from the zigzag rounds where the host
+// passed none) and hands its index to the consumers through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the
 // consumers are done with the last one, its K/V through the same ring), so loads and the first GEMM of a tile
 // overlap the epilogue of the previous one.
 template <typename T, typename Traits, bool kCausal>
@@ -345,10 +348,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
       }
-      // Dynamic: take the next tile once this one is issued (each head's longest rows come first, so this is
-      // longest-first within a head, and the CTAs at work stay on neighbouring heads).
-      const bool take = Traits::kDynamicTiles && p.tile_counter != nullptr;
-      index = take ? gridDim.x + atomicAdd(p.tile_counter, 1) : index + gridDim.x;
+      // Next tile. Without a mask: a fixed stride. Causal with a counter: take the next tile once this one is
+      // issued (each head's longest rows come first, so this is longest-first within a head, and the CTAs at work
+      // stay on neighbouring heads). Causal without one: the next zigzag round (launch.h).
+      if (!Traits::kDynamicTiles) {
+        index += gridDim.x;
+      } else if (p.tile_counter != nullptr) {
+        index = gridDim.x + atomicAdd(p.tile_counter, 1);
+      } else {
+        const int round = j + 1;
+        index = round * gridDim.x + (round % 2 == 0 ? blockIdx.x : gridDim.x - 1 - blockIdx.x);
+      }
     }
     return;
   }
@@ -557,7 +567,10 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_tiles = num_m_blocks * params.heads * params.batch;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, num_sms)));  // persistent: one CTA per SM
+  // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (launch.h).
+  const int zigzag_grid =
+      kCausal && params.tile_counter == nullptr ? sm90_causal_zigzag_grid(num_m_blocks, num_tiles, num_sms) : 0;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, zigzag_grid > 0 ? zigzag_grid : num_sms)));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, params);
   return cudaGetLastError();
 }
