@@ -42,10 +42,13 @@ constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 25
 // grid that divides a head's query blocks an even number of times. Then the work is even to a few percent
 // (benchmarks/schedule_balance.py) with no counter, memset or atomics. This returns the largest such grid within
 // 1/32 below the SM count, or 0 if there is none: then the CTAs take their tiles from a zeroed counter
-// (FwdParams::tile_counter) instead.
+// (FwdParams::tile_counter) instead. A grid below the SM count leaves SMs idle, which pays only while tiles are
+// short: measured on 128 of 132 SMs (NOTES.md, v8), +1-5% at up to 64 query blocks per head (L <= 8k), -1-1.5% at
+// 128 (L16k), where the counter's per-tile costs matter less than the idle SMs.
 inline constexpr int kSm90CausalBlockM = 128;
 constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms) {
   for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {
+    if (size < num_sms && num_m_blocks > 64) return 0;
     if (num_tiles <= size) return size;  // one tile per CTA
     const bool whole_heads = size % num_m_blocks == 0 && num_tiles % (2 * size) == 0;
     const bool split_heads = num_m_blocks % (2 * size) == 0;
