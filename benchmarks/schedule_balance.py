@@ -4,8 +4,9 @@ Each tile (128 query rows of one batch and head) costs its number of key blocks;
 tiles; the slowest CTA sets the kernel's time. The script replays the kernel's tile numbering (Tile in
 csrc/cuda/sm90/fwd_kernel.h) under three static schedules and prints the slowest CTA's work over the ideal
 (total work / number of SMs): 1.00 is perfect. The schedules: a fixed stride (forward v2), zigzag rounds on all
-SMs (v5), and zigzag rounds on a grid aligned to the query blocks per head (a candidate, not in the kernel). The
-counter schedule (kDynamicTiles, the default under a causal mask) balances at run time and is not modelled. The
+SMs (v5), and zigzag rounds on a grid aligned to the query blocks per head (what v8 runs where the host finds such a
+grid: csrc/cuda/launch.h, sm90_causal_zigzag_grid, whose rule is stricter than zigzag_grid_size below). The counter
+schedule (the causal fallback) balances at run time and is not modelled. The
 model reproduces the measured cliffs of v2 and v5 (NOTES.md: D128 L16k, D256 L8k and L16k), so it is used to
 choose schedules before spending GPU time.
 
