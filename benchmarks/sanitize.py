@@ -14,6 +14,7 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 2, 2, 1, 257, 256, True),
     (1, 2, 2, 200, 33, 96, True),  # rows without keys
     (2, 12, 6, 1300, 1300, 64, True),  # 264 causal tiles: two zigzag rounds per CTA on the Hopper forward
+    (2, 12, 6, 1300, 300, 128, True),  # the same with 7 of each head's 11 tiles seeing no key
 ]
 
 

@@ -242,28 +242,55 @@ def test_cuda_non_default_stream():
     assert_attention_close(out, lse, *src, causal=True)
 
 
+def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
+    """csrc/cuda/launch.h sm90_causal_zigzag_grid: the grid of the static causal schedule, 0 for the counter."""
+    size = num_sms
+    while size > 0 and size * 32 >= num_sms * 31:
+        if size < num_sms and num_m_blocks > 64:
+            return 0
+        if num_tiles <= size:
+            return size
+        if (size % num_m_blocks == 0 and num_tiles % (2 * size) == 0) or num_m_blocks % (2 * size) == 0:
+            return size
+        size -= 1
+    return 0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize(
     "batch,heads,len_q,len_k",
-    [(2, 16, 1024, 1024), (2, 12, 1300, 1300), (1, 16, 1300, 1700)],
-    ids=["zigzag-128", "zigzag-132", "counter"],  # the schedule "auto" takes on a 132-SM H200 (launch.h)
+    [(2, 16, 1024, 1024), (2, 12, 1300, 1300), (2, 12, 1300, 300), (1, 16, 1300, 1700)],
+    # On a 132-SM H200: zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see no key, the counter.
+    ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven"],
 )
 def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q, len_k):
     # On Hopper the causal tiles are handed out in static zigzag rounds or from a counter. A tile's result must not
     # depend on the CTA that computed it: both schedules give correct, bit-identical outputs over several rounds.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
-    monkeypatch.delenv("FLASHATTN_FWD_SCHEDULE", raising=False)
-    out, lse = fwd(q, k, v, True)
+
+    def run(schedule):
+        monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        out, lse = fwd(q, k, v, True)
+        return out, lse, torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+    out, lse, auto_allocations = run("auto")
     assert_attention_close(out, lse, q, k, v, causal=True)
-    monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", "counter")
-    out_counter, lse_counter = fwd(q, k, v, True)
+    out_counter, lse_counter, counter_allocations = run("counter")
     assert torch.equal(out, out_counter) and torch.equal(lse, lse_counter)
-    hopper_forward = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90") != "0"
-    if hopper_forward:  # the variable is read only where the Hopper kernel runs
-        monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", "static")
-        with pytest.raises(RuntimeError, match="FLASHATTN_FWD_SCHEDULE must be auto or counter"):
-            fwd(q, k, v, True)
+    monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", "static")
+    try:
+        fwd(q, k, v, True)
+        hopper = False  # the variable is read only where the causal Hopper forward runs
+    except RuntimeError as error:
+        assert "FLASHATTN_FWD_SCHEDULE must be auto or counter" in str(error)
+        hopper = True
+    if hopper:  # the counter is one allocation more (a zeroed int32); "auto" allocates it only where it uses it
+        num_m_blocks = -(-len_q // 128)
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        zigzag = causal_zigzag_grid(num_m_blocks, num_m_blocks * heads * batch, num_sms) > 0
+        assert counter_allocations - auto_allocations == (1 if zigzag else 0)
 
 
 @pytest.mark.cuda

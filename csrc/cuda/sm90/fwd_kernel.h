@@ -2,18 +2,18 @@
 // the smallest that holds it); the default on sm_90 (FLASHATTN_FWD_SM90=0 selects the sm80 kernel).
 // tests/test_sm90_primitives.py checks its parts one by one; benchmarks/NOTES.md logs each version's figures.
 //
-// Persistent grid: one CTA per SM walks the output tiles (kBlockM query rows of one batch and head). CTA = 1 +
-// kConsumers warpgroups. Warpgroup 0 is the producer: one thread loads each tile's Q and its K/V blocks into a
-// 2-stage ring with TMA (128-byte swizzle; rows past L and columns past D are zero-filled by TMA), running ahead into
-// the next tile (into a second Q buffer where kQStages = 2). Each Q buffer and each K and V stage have a "full"
-// mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it). The consumer warpgroups (2, or 3 at
-// D64 without a causal mask) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
-// overlap):
+// Persistent grid: one CTA per SM (a few SMs fewer for the causal zigzag schedule, launch.h) walks the output tiles
+// (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the producer: one
+// thread loads each tile's Q and its K/V blocks into a 2-stage ring with TMA (128-byte swizzle; rows past L and
+// columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
+// 2). Each Q buffer and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
+// consumer done with it). The consumer warpgroups (2, or 3 at D64 without a causal mask) each own 64 query rows and
+// run, per key block n (FlashAttention-3's intra-warpgroup overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
-//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (kSoftmaxUnderPV keeps ptxas from moving
-//                                                                   the second wait above the softmax)
+//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (without a causal mask: kSoftmaxUnderPV
+//                                                                   keeps ptxas from hoisting the next wait)
 //     wait for P V; rescale O; pack P[n]
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
@@ -259,11 +259,11 @@ struct Tile {
   }
 };
 
-// Persistent: one CTA per SM. Its first tile is blockIdx.x; then a fixed stride of gridDim.x, or, with
-// kDynamicTiles, the producer takes the next one from params.tile_counter (or from the zigzag rounds where the host
-// passed none) and hands its index to the consumers through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the
-// consumers are done with the last one, its K/V through the same ring), so loads and the first GEMM of a tile
-// overlap the epilogue of the previous one.
+// Persistent: one CTA per SM (or the zigzag's grid). Its first tile is blockIdx.x; then a fixed stride of gridDim.x,
+// or, with kDynamicTiles, the producer takes the next one from params.tile_counter (or from the zigzag rounds where
+// the host passed none) and hands its index to the consumers through a 2-slot mailbox in shared memory. The producer
+// runs ahead into the next tile (its Q as soon as the consumers are done with that Q buffer, its K/V through the
+// same ring), so loads and the first GEMM of a tile overlap the epilogue of the previous one.
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
