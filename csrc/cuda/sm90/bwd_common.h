@@ -13,16 +13,6 @@
 
 namespace flashattn::sm90 {
 
-// Accumulator (64 rows x kCols) -> wgmma A fragments for k16 steps along its columns (as the forward packs P).
-template <typename T, int kCols>
-__device__ __forceinline__ void pack_a(uint32_t (&a)[kCols / 16][4], const float (&acc)[kCols / 2]) {
-#pragma unroll
-  for (int kk = 0; kk < kCols / 16; ++kk) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[kk][i] = sm80::pack2<T>(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
-  }
-}
-
 // The wgmma accumulator of 64 x kBlockM (rows = this thread's keys, columns = queries) into kBlockM / 64 tiles of
 // [64][64] in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), 4-byte stores of column pairs.
 template <typename T, int kBlockM>

@@ -212,16 +212,6 @@ struct RowSoftmax {
   }
 };
 
-// P as wgmma A fragments: k16 step kk over the keys covers accumulator tiles 2 kk and 2 kk + 1.
-template <typename T, int kBlockN>
-__device__ __forceinline__ void pack_p(uint32_t (&p)[kBlockN / 16][4], const float (&s)[kBlockN / 2]) {
-#pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) p[kk][i] = sm80::pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-  }
-}
-
 template <int kHeadDim>
 __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float (&rescale)[2]) {
 #pragma unroll
@@ -467,7 +457,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
     last_cols(0, last_col);
     softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
-    pack_p<T, kBlockN>(p_frag, s);
+    pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
       const int stage = stage_of(n_block);
@@ -495,7 +485,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence_registers(p_frag);
       mbarrier_arrive(&smem.v_empty[prev]);
       rescale_o<kHeadDim>(o, rescale);
-      pack_p<T, kBlockN>(p_frag, s);
+      pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
     }
 
     // The last P V.

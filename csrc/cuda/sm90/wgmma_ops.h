@@ -9,10 +9,23 @@
 
 #include <cstdint>
 
+#include "cuda/sm80/ptx.h"  // pack2
+
 namespace flashattn::sm90 {
 
 template <typename T, int N>
 struct Wgmma;
+
+// An accumulator (64 rows x kCols, the layout above) as the A registers of `rs`, for k16 steps along its columns:
+// step kk covers accumulator tiles 2 kk and 2 kk + 1 (the forward's P, the backward's P^T and dS^T).
+template <typename T, int kCols>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[kCols / 16][4], const float (&acc)[kCols / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kCols / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = sm80::pack2<T>(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
+  }
+}
 
 template <>
 struct Wgmma<__nv_bfloat16, 64> {
