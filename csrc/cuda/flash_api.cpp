@@ -125,18 +125,18 @@ Sm90Mode sm90_bwd_mode() {
   return mode;
 }
 
-// The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h), else a tile counter.
-// FLASHATTN_FWD_SCHEDULE=counter forces the counter (read per call, for tests and comparisons).
-bool sm90_causal_static_schedule(const FwdParams& params, const at::Tensor& q) {
+// The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h): returns its grid, or
+// 0 for a tile counter. FLASHATTN_FWD_SCHEDULE=counter forces the counter (read per call, for tests and comparisons).
+int sm90_causal_zigzag_grid_for(const FwdParams& params, const at::Tensor& q) {
   const char* env = std::getenv("FLASHATTN_FWD_SCHEDULE");
   if (env != nullptr && *env != '\0') {
     TORCH_CHECK(std::strcmp(env, "counter") == 0 || std::strcmp(env, "auto") == 0,
                 "FLASHATTN_FWD_SCHEDULE must be auto or counter, got '", env, "'");
-    if (std::strcmp(env, "counter") == 0) return false;
+    if (std::strcmp(env, "counter") == 0) return 0;
   }
   const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
   const int64_t num_m_blocks = (params.len_q + kSm90CausalBlockM - 1) / kSm90CausalBlockM;
-  return sm90_causal_zigzag_grid(num_m_blocks, num_m_blocks * params.heads * params.batch, num_sms) > 0;
+  return sm90_causal_zigzag_grid(num_m_blocks, num_m_blocks * params.heads * params.batch, num_sms);
 }
 
 bool is_sm90(const at::Tensor& q) {
@@ -210,9 +210,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
   const bool use_sm90 = sm90_fwd_applies(bucket, q);
   at::Tensor tile_counter;  // freed after the launch is enqueued: the caching allocator orders reuse on the stream
-  if (use_sm90 && causal && !sm90_causal_static_schedule(params, q)) {
-    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-    params.tile_counter = tile_counter.data_ptr<int>();
+  if (use_sm90 && causal) {
+    params.zigzag_grid = sm90_causal_zigzag_grid_for(params, q);
+    if (params.zigzag_grid == 0) {
+      tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+      params.tile_counter = tile_counter.data_ptr<int>();
+    }
   }
   const cudaError_t err = launch_fwd(params, q.scalar_type(), bucket, use_sm90, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashattn.fwd: CUDA kernel launch failed: ", cudaGetErrorString(err));

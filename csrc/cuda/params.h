@@ -27,10 +27,11 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): the kernels work in exp2
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
 
-  // Hopper forward only: a zeroed int32 from which the persistent CTAs take their next tile under a causal mask,
-  // where tiles differ in length; null means a static order (a stride, or under a causal mask the zigzag rounds of
-  // launch.h: sm90_causal_zigzag_grid).
+  // Hopper forward under a causal mask, where tiles differ in length: the persistent CTAs take their next tile
+  // from tile_counter (a zeroed int32) where it is set, else they walk static zigzag rounds on zigzag_grid CTAs
+  // (launch.h: sm90_causal_zigzag_grid; 0 means one per SM). flash_api.cpp chooses; other kernels ignore both.
   int* tile_counter;
+  int zigzag_grid;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).

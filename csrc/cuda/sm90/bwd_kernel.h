@@ -330,14 +330,9 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map, do_map;
   const bool ok =
-      make_bhld_map(&q_map, params.q, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
-                    params.q_batch_stride, params.q_head_stride, params.q_row_stride, Traits::kBlockM) &&
+      make_qkv_maps(params, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map) &&
       make_bhld_map(&do_map, params.dout, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
-                    params.do_batch_stride, params.do_head_stride, params.do_row_stride, Traits::kBlockM) &&
-      make_bhld_map(&k_map, params.k, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
-                    params.k_batch_stride, params.k_head_stride, params.k_row_stride, Traits::kBlockN) &&
-      make_bhld_map(&v_map, params.v, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
-                    params.v_batch_stride, params.v_head_stride, params.v_row_stride, Traits::kBlockN);
+                    params.do_batch_stride, params.do_head_stride, params.do_row_stride, Traits::kBlockM);
   if (!ok) return cudaErrorNotSupported;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");

@@ -27,7 +27,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "cuda/launch.h"  // kSm90CausalBlockM, sm90_causal_zigzag_grid
+#include "cuda/launch.h"  // kSm90CausalBlockM
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"  // pack2, fast_exp2
 #include "cuda/sm90/ptx.h"
@@ -538,14 +538,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim, kCausal>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map;
-  const bool ok =
-      make_bhld_map(&q_map, params.q, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
-                    params.q_batch_stride, params.q_head_stride, params.q_row_stride, Traits::kBlockM) &&
-      make_bhld_map(&k_map, params.k, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
-                    params.k_batch_stride, params.k_head_stride, params.k_row_stride, Traits::kBlockN) &&
-      make_bhld_map(&v_map, params.v, kBf16, params.batch, params.heads_kv, params.len_k, params.head_dim,
-                    params.v_batch_stride, params.v_head_stride, params.v_row_stride, Traits::kBlockN);
-  if (!ok) return cudaErrorNotSupported;
+  if (!make_qkv_maps(params, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map)) {
+    return cudaErrorNotSupported;
+  }
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "Q and the K/V stages exceed the 227 KB of shared memory per block");
@@ -557,10 +552,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_tiles = num_m_blocks * params.heads * params.batch;
-  // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (launch.h).
-  const int zigzag_grid =
-      kCausal && params.tile_counter == nullptr ? sm90_causal_zigzag_grid(num_m_blocks, num_tiles, num_sms) : 0;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, zigzag_grid > 0 ? zigzag_grid : num_sms)));
+  // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (chosen by flash_api).
+  const bool zigzag = kCausal && params.tile_counter == nullptr && params.zigzag_grid > 0;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, zigzag ? params.zigzag_grid : num_sms)));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, params);
   return cudaGetLastError();
 }

@@ -54,6 +54,18 @@ inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int6
   return result == CUDA_SUCCESS;
 }
 
+// The maps over Q (boxes of q_box_rows rows) and K, V (kv_box_rows) that a FwdParams or BwdParams describes.
+template <typename Params>
+bool make_qkv_maps(const Params& p, bool is_bf16, uint32_t q_box_rows, uint32_t kv_box_rows, CUtensorMap* q_map,
+                   CUtensorMap* k_map, CUtensorMap* v_map) {
+  return make_bhld_map(q_map, p.q, is_bf16, p.batch, p.heads, p.len_q, p.head_dim, p.q_batch_stride,
+                       p.q_head_stride, p.q_row_stride, q_box_rows) &&
+         make_bhld_map(k_map, p.k, is_bf16, p.batch, p.heads_kv, p.len_k, p.head_dim, p.k_batch_stride,
+                       p.k_head_stride, p.k_row_stride, kv_box_rows) &&
+         make_bhld_map(v_map, p.v, is_bf16, p.batch, p.heads_kv, p.len_k, p.head_dim, p.v_batch_stride,
+                       p.v_head_stride, p.v_row_stride, kv_box_rows);
+}
+
 // A 4-D map over the backward's fp32 dQ accumulator (B, H, Lq, D), contiguous, for TMA reductions: boxes of
 // `box_rows` rows x 32 columns (128 bytes, 128-byte swizzle). Coordinates (column, row, head, batch); parts past Lq
 // or D are skipped. Returns false if the driver rejects it.
