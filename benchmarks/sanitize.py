@@ -15,6 +15,8 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 2, 2, 200, 33, 96, True),  # rows without keys
     (2, 12, 6, 1300, 1300, 64, True),  # 264 causal tiles: two zigzag rounds per CTA on the Hopper forward
     (2, 12, 6, 1300, 300, 128, True),  # the same with 7 of each head's 11 tiles seeing no key
+    (4, 16, 4, 1000, 300, 120, False),  # 512 tiles: the Hopper forward's consumers take turns on one O buffer
+    (4, 8, 8, 1000, 200, 64, False),  # 192 tiles of three consumers, an O buffer each
 ]
 
 

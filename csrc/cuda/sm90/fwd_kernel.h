@@ -18,6 +18,9 @@
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
+//
+// Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA
+// (kOBuffers; direct 4-byte stores where no buffer fits or it does not pay); lse from registers.
 #pragma once
 
 #include <cuda.h>
@@ -74,19 +77,34 @@ struct FwdTraits {
   static constexpr int kTileKV = kBlockN * HeadDim;
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kSubTileKV = kBlockN * 64;
+  static constexpr int kTileO = 64 * HeadDim;  // one consumer's rows of O
+  static constexpr int kSubTileO = 64 * 64;
+  // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
+  // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
+  // or one the two consumers take turns on (D128 with 176-key blocks); none at D256, where the ring fills shared
+  // memory. Measured (NOTES.md, v10): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal; 6% slower at D64
+  // without a mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct
+  // 4-byte stores there.
+  static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
+  static constexpr int kMaxSmemBytes = 227 * 1024;
+  static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
+                                        256 /* barriers */;
+  static constexpr int kOBuffers = !kStageO                                                   ? 0
+                                   : kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
+                                   : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
+                                                                                               : 0;
+  static constexpr int kSmemBytes = kPipelineBytes + kOBuffers * kTileO * 2;  // 16-bit elements
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
-  template <typename T>
-  static constexpr int smem_bytes() {
-    return (kQStages * kTileQ + 2 * kStages * kTileKV) * static_cast<int>(sizeof(T)) + 1024 /* alignment */ +
-           256 /* bars */;
-  }
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper forward covers head dims 64, 128, 256");
   // setmaxnreg.inc blocks until registers are free: the rebalanced total must fit what the launch granted
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
+  // A shared buffer is handed on by mbarrier parity, which cannot tell a use from the one two turns back: with two
+  // consumers that one is the waiter's own (finished) use, with three it could be another consumer's pending one.
+  static_assert(kOBuffers != 1 || kConsumers == 2, "one shared O buffer needs exactly two consumers");
   static_assert(!Causal || kBlockM == kSm90CausalBlockM, "the host chooses the causal schedule for this tile height");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -98,12 +116,14 @@ struct SharedStorage {
   T* q;                   // [kQStages][kColumnBlocks][kBlockM][64]
   T* k;                   // [kStages][kColumnBlocks][kBlockN][64]
   T* v;
+  T* o;                   // [kOBuffers][kColumnBlocks][64][64]
   uint64_t* q_full;       // [kQStages]
   uint64_t* q_empty;      // [kQStages]
   uint64_t* k_full;       // [kStages]
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
+  uint64_t* o_free;       // [kOBuffers]: the TMA stores have read the staged O
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
@@ -114,13 +134,15 @@ struct SharedStorage {
     q = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     k = q + Traits::kQStages * Traits::kTileQ;
     v = k + Traits::kStages * Traits::kTileKV;
-    q_full = reinterpret_cast<uint64_t*>(v + Traits::kStages * Traits::kTileKV);
+    o = v + Traits::kStages * Traits::kTileKV;
+    q_full = reinterpret_cast<uint64_t*>(o + Traits::kOBuffers * Traits::kTileO);
     q_empty = q_full + Traits::kQStages;
     k_full = q_empty + Traits::kQStages;
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
-    tile_full = v_empty + Traits::kStages;
+    o_free = v_empty + Traits::kStages;
+    tile_full = o_free + Traits::kOBuffers;
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
@@ -128,6 +150,7 @@ struct SharedStorage {
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }
   __device__ T* v_stage(int stage) const { return v + stage * Traits::kTileKV; }
+  __device__ T* o_buffer(int buffer) const { return o + buffer * Traits::kTileO; }
 };
 
 // S = Q K^T for this warpgroup's 64 rows: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next
@@ -257,7 +280,8 @@ struct Tile {
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                          const __grid_constant__ CUtensorMap v_map, const __grid_constant__ FwdParams p) {
+                          const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
+                          const __grid_constant__ FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
@@ -283,6 +307,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.k_empty[s], kConsumerThreads);  // every consumer thread arrives once it has read the stage
       mbarrier_init(&smem.v_empty[s], kConsumerThreads);
     }
+    for (int b = 0; b < Traits::kOBuffers; ++b) mbarrier_init(&smem.o_free[b], 4);  // each warp of the user
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
       mbarrier_init(&smem.tile_empty[slot], kConsumerThreads);
@@ -384,6 +409,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float scale_log2 = fabsf(p.scale_log2);
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
+  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
 
   int index = blockIdx.x;
   for (int j = 0;; ++j) {
@@ -497,28 +523,70 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.v_empty[last]);
     kv_loads += num_n_blocks;
 
-    // Epilogue: normalise, lse, direct 4-byte stores of O (rows past Lq and columns past D skipped).
+    // Epilogue: normalise, lse, O out.
     constexpr float kLn2 = 0.6931471805599453f;
-    T* const o_base = tile.template out<T>(p);
     float* const lse_base = tile.lse(p);
+    float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float sum = softmax.row_sum[h];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      inv[h] = sum > 0.f ? 1.f / sum : 0.f;
       const int row = tile.m_start + row_in_block0 + 8 * h;
-      if (row < p.len_q) {
-        if (lane % 4 == 0) {
-          lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+      if (row < p.len_q && lane % 4 == 0) {
+        lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+    if constexpr (Traits::kOBuffers > 0) {
+      // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
+      // reads, and its lane 0 stores them with TMA. A shared buffer goes round the consumers in order.
+      const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
+      const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
+      ++o_stores;
+      if (use > 0) mbarrier_wait(&smem.o_free[buffer], (use - 1) & 1);
+      T* const warp_rows = smem.o_buffer(buffer) + warp * 16 * 64;  // in each 64-column sub-tile
+      const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
+      const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
+        const int chunk = j + matrix / 2;
+        T* const dst = warp_rows + (chunk / 8) * Traits::kSubTileO + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+        stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                    sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                    sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                    sm80::pack2<T>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+      }
+      fence_proxy_async_smem();  // the TMA (async proxy) reads what the threads wrote
+      __syncwarp();
+      if (lane == 0) {
+        const int first_row = tile.m_start + 64 * consumer + 16 * warp;
+        if (first_row < p.len_q) {
+#pragma unroll
+          for (int c = 0; c < kColumnBlocks; ++c) {
+            if (64 * c < p.head_dim) {
+              tma_store_4d(&o_map, warp_rows + c * Traits::kSubTileO, 64 * c, first_row, tile.head, tile.batch);
+            }
+          }
         }
+        bulk_commit_group();
+        bulk_wait_group_read<0>();  // the buffer may be written again
+        mbarrier_arrive(&smem.o_free[buffer]);
+      }
+    } else {
+      // Direct 4-byte stores (rows past Lq and columns past D skipped).
+      T* const o_base = tile.template out<T>(p);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = tile.m_start + row_in_block0 + 8 * h;
+        if (row >= p.len_q) continue;
         T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
           const int col = 8 * j + 2 * (lane % 4);
           if (col < p.head_dim) {  // head_dim is a multiple of 8: the pair is in range and 4-byte aligned
             *reinterpret_cast<uint32_t*>(out_row + col) =
-                sm80::pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+                sm80::pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
           }
         }
       }
@@ -537,13 +605,20 @@ template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim, kCausal>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  CUtensorMap q_map, k_map, v_map;
+  CUtensorMap q_map, k_map, v_map, o_map{};
   if (!make_qkv_maps(params, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map)) {
     return cudaErrorNotSupported;
   }
+  // O in boxes of one warp's 16 rows (the output is ours, contiguous: the driver takes it).
+  if (Traits::kOBuffers > 0 &&
+      !make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
+                     params.o_batch_stride, params.o_head_stride, params.o_row_stride, 16)) {
+    return cudaErrorNotSupported;
+  }
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
-  constexpr int kSmemBytes = Traits::template smem_bytes<T>();
-  static_assert(kSmemBytes <= 227 * 1024, "Q and the K/V stages exceed the 227 KB of shared memory per block");
+  constexpr int kSmemBytes = Traits::kSmemBytes;
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  static_assert(kSmemBytes <= Traits::kMaxSmemBytes, "Q and the K/V stages exceed the 227 KB of shared memory per block");
   if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
   int device = 0, num_sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -555,7 +630,7 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (chosen by flash_api).
   const bool zigzag = kCausal && params.tile_counter == nullptr && params.zigzag_grid > 0;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, zigzag ? params.zigzag_grid : num_sms)));
-  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, params);
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, o_map, params);
   return cudaGetLastError();
 }
 

@@ -129,6 +129,16 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, const 
       : "memory");
 }
 
+// TMA store: writes the shared-memory box to global memory at coordinates (c0 innermost .. c3) of a 4-D tensor map
+// (elements out of bounds are skipped). Completion is tracked per thread by bulk groups.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // Waits until at most kPending of this thread's bulk groups still read their shared-memory source.
@@ -141,6 +151,14 @@ __device__ __forceinline__ void bulk_wait_group_read() {
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 matrices of 16-bit elements from accumulator fragments (thread t holds row t / 4, columns 2 (t % 4) and
+// 2 (t % 4) + 1 of each, one register per matrix) to shared memory: lanes 8m .. 8m + 7 give matrix m's row addresses.
+__device__ __forceinline__ void stmatrix_x4(void* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr(row)), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // Shared memory written by ordinary stores, read next by wgmma or TMA: each writing thread fences before the barrier.
