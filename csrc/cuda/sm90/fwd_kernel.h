@@ -50,8 +50,9 @@ struct FwdTraits {
   static constexpr int kBlockM = 64 * kConsumers;
   // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask
   // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
-  // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all).
-  static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : 80;
+  // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all). Causal D256 takes 64 keys, which
+  // leaves room to stage O for TMA stores (kOBuffers): +17% at L1k, +10% at 2k, 3-5% slower at 16k (NOTES.md, v10).
+  static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : (Causal ? 64 : 80);
   // Causal tiles differ in length: the CTAs take them from a global counter (longest first) or in zigzag rounds
   // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
   // consumer registers).
@@ -81,8 +82,8 @@ struct FwdTraits {
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
   // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
-  // or one the two consumers take turns on (D128 with 176-key blocks); none at D256, where the ring fills shared
-  // memory. Measured (NOTES.md, v10): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal; 6% slower at D64
+  // or one the two consumers take turns on (D128 with 176-key blocks, causal D256); none at D256 without a mask,
+  // where the ring of 80-key blocks fills shared memory. Measured (NOTES.md, v10): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal; 6% slower at D64
   // without a mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct
   // 4-byte stores there.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
