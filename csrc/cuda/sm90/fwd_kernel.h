@@ -51,7 +51,8 @@ struct FwdTraits {
   // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask
   // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
   // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all). Causal D256 takes 64 keys, which
-  // leaves room to stage O for TMA stores (kOBuffers): +17% at L1k, +10% at 2k, 3-5% slower at 16k (NOTES.md, v10).
+  // leaves room to stage O for TMA stores (kOBuffers): +16-20% at L1k, +7-14% at 2k, 3-5% slower at 16k (NOTES.md,
+  // v10).
   static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : (Causal ? 64 : 80);
   // Causal tiles differ in length: the CTAs take them from a global counter (longest first) or in zigzag rounds
   // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
@@ -83,9 +84,9 @@ struct FwdTraits {
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
   // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
   // or one the two consumers take turns on (D128 with 176-key blocks, causal D256); none at D256 without a mask,
-  // where the ring of 80-key blocks fills shared memory. Measured (NOTES.md, v10): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal; 6% slower at D64
-  // without a mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct
-  // 4-byte stores there.
+  // where the ring of 80-key blocks fills shared memory. Measured (NOTES.md, v10): +5-11% at D128 L1k, +0-6% at
+  // 2k-4k; neutral at D64 causal; 6% slower at D64 without a mask at every length (ptxas then schedules the three
+  // 160-register consumers' softmax worse), so direct 4-byte stores there.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
@@ -619,7 +620,8 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   static_assert(sizeof(T) == 2, "16-bit elements");
-  static_assert(kSmemBytes <= Traits::kMaxSmemBytes, "Q and the K/V stages exceed the 227 KB of shared memory per block");
+  static_assert(kSmemBytes <= Traits::kMaxSmemBytes,
+                "Q, the K/V stages and O exceed the 227 KB of shared memory per block");
   if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
   int device = 0, num_sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
