@@ -104,15 +104,17 @@ struct FwdTraits {
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
-  // A shared buffer is handed on by mbarrier parity, which cannot tell a use from the one two turns back: with two
-  // consumers that one is the waiter's own (finished) use, with three it could be another consumer's pending one.
-  static_assert(kOBuffers != 1 || kConsumers == 2, "one shared O buffer needs exactly two consumers");
+  // A shared buffer is handed on by mbarrier parity, which cannot tell a phase from the one two uses back. With two
+  // consumers that phase is the waiter's own previous use, and the ping-pong barrier (all of a consumer's threads in
+  // every tile) guarantees all four of its warps arrived for it; with three it could be another consumer's pending use.
+  static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
   static_assert(!Causal || kBlockM == kSm90CausalBlockM, "the host chooses the causal schedule for this tile height");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
 
-// The shared-memory pipeline: Q buffers, K and V stages, each with its "full" and "empty" mbarriers.
+// The shared-memory pipeline: Q buffers, K and V stages, each with its "full" and "empty" mbarriers, and the O
+// staging buffers with their "free" mbarriers.
 template <typename T, typename Traits>
 struct SharedStorage {
   T* q;                   // [kQStages][kColumnBlocks][kBlockM][64]
