@@ -2,7 +2,7 @@
 
 A variant is "KERNEL D NAME=VALUE ...": the kernel (sm80 or sm90), the head-dim bucket, and FwdTraits constants to
 replace (csrc/cuda/sm80/fwd_kernel.h: kMTiles, kNWarps, kBlockN, kMinBlocksPerSM; csrc/cuda/sm90/fwd_kernel.h:
-kConsumers, kBlockN, kStages, kQStages, kPingPong, kSoftmaxUnderPV and the experiment switches). Each variant is a
+kConsumers, kBlockN, kStages, kQStages, kPingPong, kSoftmaxUnderPV, kStageO and the other switches). Each variant is a
 copy of this checkout under --scratch with those constants replaced, built for that head dim only, then timed with
 bench_sdpa.py in its own process. Builds run in parallel; --repeats times every variant again in later rounds.
 A variant without replacements is the checkout as it is (the baseline of the same run). Used for the figures in
