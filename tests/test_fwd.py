@@ -225,6 +225,27 @@ def test_cuda_matches_cpu(dtype, causal, head_dim, len_q, len_k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_several_tiles_per_cta(causal, head_dim):
+    # More tiles than SMs: each persistent CTA of the Hopper forward walks several, carrying its pipeline counters,
+    # O buffers and turns from tile to tile. Lq = 1000 = 5 * 192 + 40: with 192-row tiles (D64 non-causal) the last
+    # tile of every head has two consumers without rows.
+    q, k, v = make_qkv(4, 16, 8, 1000, 1000, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [256, 200])
+@pytest.mark.parametrize("len_q,len_k", [(129, 8192), (129, 8193), (300, 9000)])
+def test_cuda_causal_long_key_rows(head_dim, len_q, len_k):
+    # On Hopper, causal D256 (and the buckets it serves) takes 80-key blocks above 8192 keys and 64-key blocks up to
+    # there (fwd_kernel.h: kSm90LongCausalKeys): both sides of the switch.
+    q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal=True)
+
+
+@pytest.mark.cuda
 def test_cuda_non_default_stream():
     # Inputs are written on a side stream after a delay; the op must run on that (current) stream to see them.
     src = make_qkv(2, 4, 4, 300, 300, 64, torch.float16, "cuda")

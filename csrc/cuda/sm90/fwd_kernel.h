@@ -39,7 +39,17 @@
 
 namespace flashattn::sm90 {
 
-template <int HeadDim, bool Causal>
+// Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
+// per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Causal D256 takes 64 keys, which leaves room to
+// stage O for TMA stores (kOBuffers): +16-20% at L1k, +7-14% at 2k, but 3-5% slower at 16k (NOTES.md, v10), so
+// long rows take 80 (run_fwd_sm90).
+constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
+  return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : (causal ? 64 : 80);
+}
+inline constexpr int kSm90LongCausalKeys = 8192;  // causal D256 takes 80-key blocks above this many keys
+
+template <int HeadDim, bool Causal, int BlockN = sm90_fwd_block_n(HeadDim, Causal)>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
@@ -48,12 +58,10 @@ struct FwdTraits {
   // At D128/D256 the registers (O is 64/128 per thread) allow only two.
   static constexpr int kConsumers = HeadDim == 64 && !Causal ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;
-  // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask
-  // (fewer per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at
-  // D = 256 two stages of K/V must still fit next to Q (80 keys: 225 KB in all). Causal D256 takes 64 keys, which
-  // leaves room to stage O for TMA stores (kOBuffers): +16-20% at L1k, +7-14% at 2k, 3-5% slower at 16k (NOTES.md,
-  // v10).
-  static constexpr int kBlockN = HeadDim == 64 ? 128 : HeadDim == 128 ? (Causal ? 128 : 176) : (Causal ? 64 : 80);
+  // The last tile of a head has consumers without rows when Lq is not a multiple of kBlockM (Lq mod 128 in 1..64;
+  // with 192-row tiles, at L1k the last of six tiles per head has one consumer's rows of three): they skip the math.
+  static constexpr bool kSkipRowlessConsumers = true;
+  static constexpr int kBlockN = BlockN;
   // Causal tiles differ in length: the CTAs take them from a global counter (longest first) or in zigzag rounds
   // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
   // consumer registers).
@@ -322,7 +330,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // Both sides count the same things in the same order: Q loads (tiles with at least one key block) and K/V
   // blocks; a count gives the ring stage and the mbarrier phase parity.
-  const int warpgroup = threadIdx.x / 128;
+  // Values every lane of a warp shares are broadcast from lane 0 (here and for the tile index): ptxas then knows they
+  // are warp-uniform, keeps the tile and pipeline arithmetic in uniform registers and needs no convergence barriers
+  // in the key loop (NOTES.md, v11).
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
@@ -385,7 +396,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // ------------------------------------------------------------------------------------------------ consumers
   setmaxnreg_inc<Traits::kConsumerRegs>();
   const int consumer = warpgroup - 1;      // rows 64 * consumer .. of the block
-  const int warp = (threadIdx.x / 32) % 4;  // warp inside the warpgroup: 16 rows each
+  const int warp = __shfl_sync(0xffffffff, threadIdx.x / 32, 0) % 4;  // warp inside the warpgroup: 16 rows each
   const int lane = threadIdx.x % 32;
   const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
 
@@ -413,14 +424,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float scale_log2 = fabsf(p.scale_log2);
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
-  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
+  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged, or handed on (kOBuffers > 0)
 
   int index = blockIdx.x;
   for (int j = 0;; ++j) {
     if constexpr (Traits::kDynamicTiles) {
       const int slot = j % 2;
       mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
-      index = smem.tile_index[slot];
+      index = __shfl_sync(0xffffffff, smem.tile_index[slot], 0);
       mbarrier_arrive(&smem.tile_empty[slot]);
       if (index < 0) break;
     } else {
@@ -459,6 +470,36 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
     const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
 
+    if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
+      if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
+    }
+    const int q_stage = q_loads % Traits::kQStages;
+    mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
+    ++q_loads;
+
+    // This consumer's 64 rows all lie past Lq (kSkipRowlessConsumers): no math, only its part in the protocol.
+    // Every arrival still follows the wait for the same use (so it counts toward the right phase), and it takes
+    // its turns, which it passes on at once.
+    if (Traits::kSkipRowlessConsumers && tile.m_start + 64 * consumer >= p.len_q) {
+      for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+        mbarrier_wait(&smem.k_full[stage_of(n_block)], parity_of(n_block));
+        wait_turn();
+        pass_turn(n_block == num_n_blocks - 1);
+        mbarrier_arrive(&smem.k_empty[stage_of(n_block)]);
+        mbarrier_wait(&smem.v_full[stage_of(n_block)], parity_of(n_block));
+        mbarrier_arrive(&smem.v_empty[stage_of(n_block)]);
+      }
+      mbarrier_arrive(&smem.q_empty[q_stage]);
+      kv_loads += num_n_blocks;
+      if constexpr (Traits::kOBuffers == 1) {  // a shared buffer's turn passes through every consumer
+        const int use = o_stores * Traits::kConsumers + consumer;
+        ++o_stores;
+        if (use > 0) mbarrier_wait(&smem.o_free[0], (use - 1) & 1);
+        if (lane == 0) mbarrier_arrive(&smem.o_free[0]);
+      }
+      continue;
+    }
+
     float o[kHeadDim / 2];
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
@@ -468,14 +509,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float rescale[2];
     int last_col[2];
 
-    if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
-      if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
-    }
-
     // Block 0: S only (there is no P yet).
-    const int q_stage = q_loads % Traits::kQStages;
-    mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
-    ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
     mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
     wait_turn();
@@ -602,12 +636,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// Launches the Hopper forward on `stream`. Returns cudaErrorNotSupported, having launched nothing, when the
-// driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use the
-// sm80 kernel).
-template <typename T, int HeadDim, bool kCausal>
-cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  using Traits = FwdTraits<HeadDim, kCausal>;
+template <typename T, typename Traits, bool kCausal>
+cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map, o_map{};
   if (!make_qkv_maps(params, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map)) {
@@ -637,6 +667,19 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, zigzag ? params.zigzag_grid : num_sms)));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, o_map, params);
   return cudaGetLastError();
+}
+
+// Launches the Hopper forward on `stream`. Returns cudaErrorNotSupported, having launched nothing, when the
+// driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use the
+// sm80 kernel).
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
+  // Causal D256 over long key rows: the epilogue is a small part of a tile, and 80-key blocks (direct stores) beat
+  // 64-key blocks with staged O (equal at 8k keys, +3-4% at 16k; NOTES.md, v10).
+  if constexpr (HeadDim == 256 && kCausal) {
+    if (params.len_k > kSm90LongCausalKeys) return launch_fwd_sm90<T, FwdTraits<256, true, 80>, true>(params, stream);
+  }
+  return launch_fwd_sm90<T, FwdTraits<HeadDim, kCausal>, kCausal>(params, stream);
 }
 
 }  // namespace flashattn::sm90
