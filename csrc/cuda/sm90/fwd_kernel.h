@@ -58,9 +58,6 @@ struct FwdTraits {
   // At D128/D256 the registers (O is 64/128 per thread) allow only two.
   static constexpr int kConsumers = HeadDim == 64 && !Causal ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;
-  // The last tile of a head has consumers without rows when Lq is not a multiple of kBlockM (Lq mod 128 in 1..64;
-  // with 192-row tiles, at L1k the last of six tiles per head has one consumer's rows of three): they skip the math.
-  static constexpr bool kSkipRowlessConsumers = true;
   static constexpr int kBlockN = BlockN;
   // Causal tiles differ in length: the CTAs take them from a global counter (longest first) or in zigzag rounds
   // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
@@ -424,7 +421,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float scale_log2 = fabsf(p.scale_log2);
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
-  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged, or handed on (kOBuffers > 0)
+  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
 
   int index = blockIdx.x;
   for (int j = 0;; ++j) {
@@ -470,36 +467,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
     const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
 
-    if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
-      if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
-    }
-    const int q_stage = q_loads % Traits::kQStages;
-    mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
-    ++q_loads;
-
-    // This consumer's 64 rows all lie past Lq (kSkipRowlessConsumers): no math, only its part in the protocol.
-    // Every arrival still follows the wait for the same use (so it counts toward the right phase), and it takes
-    // its turns, which it passes on at once.
-    if (Traits::kSkipRowlessConsumers && tile.m_start + 64 * consumer >= p.len_q) {
-      for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
-        mbarrier_wait(&smem.k_full[stage_of(n_block)], parity_of(n_block));
-        wait_turn();
-        pass_turn(n_block == num_n_blocks - 1);
-        mbarrier_arrive(&smem.k_empty[stage_of(n_block)]);
-        mbarrier_wait(&smem.v_full[stage_of(n_block)], parity_of(n_block));
-        mbarrier_arrive(&smem.v_empty[stage_of(n_block)]);
-      }
-      mbarrier_arrive(&smem.q_empty[q_stage]);
-      kv_loads += num_n_blocks;
-      if constexpr (Traits::kOBuffers == 1) {  // a shared buffer's turn passes through every consumer
-        const int use = o_stores * Traits::kConsumers + consumer;
-        ++o_stores;
-        if (use > 0) mbarrier_wait(&smem.o_free[0], (use - 1) & 1);
-        if (lane == 0) mbarrier_arrive(&smem.o_free[0]);
-      }
-      continue;
-    }
-
     float o[kHeadDim / 2];
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
@@ -509,7 +476,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float rescale[2];
     int last_col[2];
 
+    if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
+      if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
+    }
+
     // Block 0: S only (there is no P yet).
+    const int q_stage = q_loads % Traits::kQStages;
+    mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
+    ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
     mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
     wait_turn();
