@@ -242,64 +242,6 @@ struct RowSoftmax {
       row_sum[h] = row_sum[h] * rescale[h] + sum;
     }
   }
-
-  // The same for a block the causal diagonal (or L_k) cuts: whole 16-column groups from live_groups on are masked
-  // for every row of the warp (warp-uniform), so their maxima and exponentials are skipped and they become 0. On a
-  // 128 x 128 diagonal block this skips 22 of the 64 groups the warps hold, most of them in the first consumer.
-  __device__ __forceinline__ void update_masked(float (&s)[kBlockN / 2], float scale_log2, bool negate,
-                                                const int (&last_col)[2], int live_groups, float (&rescale)[2]) {
-    constexpr int kGroups = kBlockN / 16;
-    float block_max[2] = {row_max[0], row_max[1]};
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      if (g < live_groups) {
-#pragma unroll
-        for (int j = 2 * g; j < 2 * g + 2; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              float& x = s[4 * j + 2 * h + c];
-              if (negate) x = -x;
-              if (8 * j + c > last_col[h]) x = -INFINITY;
-              block_max[h] = fmaxf(block_max[h], x);
-            }
-          }
-        }
-      }
-    }
-    float base[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffff, block_max[h], 1));
-      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffff, block_max[h], 2));
-      base[h] = block_max[h] == -INFINITY ? 0.f : block_max[h] * scale_log2;
-      rescale[h] = sm80::fast_exp2(row_max[h] * scale_log2 - base[h]);
-      row_max[h] = block_max[h];
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-      for (int j = 2 * g; j < 2 * g + 2; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& x = s[4 * j + 2 * h + c];
-            if (g < live_groups) {
-              x = sm80::fast_exp2(fmaf(x, scale_log2, -base[h]));
-              sum[h] += x;
-            } else {
-              x = 0.f;
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * rescale[h] + sum[h];
-  }
 };
 
 template <int kHeadDim>
@@ -521,12 +463,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         last_col[h] = last - n_start - 2 * (lane % 4);
       }
     };
-    // Causal: the 16-column groups of a block that some row of this warp may see (update_masked).
-    const auto live_groups = [&](int n_start) {
-      const int warp_last_row = tile.m_start + 64 * consumer + 16 * warp + 15;
-      const int last = min(p.len_k - 1, warp_last_row + causal_shift) - n_start;
-      return last < 0 ? 0 : last / 16 + 1;
-    };
     const int num_n_blocks = tile.num_n_blocks;
     const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
     const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
@@ -558,11 +494,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
     if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
     last_cols(0, last_col);
-    if (kCausal && needs_mask(0)) {
-      softmax.update_masked(s, scale_log2, negate, last_col, live_groups(0), rescale);
-    } else {
-      softmax.update(s, scale_log2, negate, !kCausal && needs_mask(0), last_col, rescale);
-    }
+    softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
@@ -581,11 +513,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_arrive(&smem.k_empty[stage]);
       if (n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_stage]);  // the producer may reuse it
       last_cols(n_start, last_col);
-      if (kCausal && needs_mask(n_start)) {
-        softmax.update_masked(s, scale_log2, negate, last_col, live_groups(n_start), rescale);
-      } else {
-        softmax.update(s, scale_log2, negate, !kCausal && needs_mask(n_start), last_col, rescale);
-      }
+      softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
       if constexpr (Traits::kSoftmaxUnderPV) {
         keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);
       }
