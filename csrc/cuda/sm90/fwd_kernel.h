@@ -12,8 +12,8 @@
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
-//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (without a causal mask: kSoftmaxUnderPV
-//                                                                   keeps ptxas from hoisting the next wait)
+//     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (where kSoftmaxUnderPV keeps ptxas from
+//                                                                   hoisting the next wait above it)
 //     wait for P V; rescale O; pack P[n]
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
@@ -66,14 +66,10 @@ struct FwdTraits {
   static constexpr int kStages = 2;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
-  // The turns run on across tiles instead of restarting with consumer 0 in every tile, so a consumer that has
-  // finished its epilogue starts the next tile without waiting for the others' epilogues. Measured (NOTES.md, v7):
-  // +1-5% at D64/D128 (most at L1k), +0-2% at D256 without a mask, 1-1.5% slower at D256 causal, so off there.
-  static constexpr bool kTurnsAcrossTiles = !(HeadDim == 256 && Causal);
   // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
-  // and the softmax never overlaps the warpgroup's own P V wgmma. Measured (NOTES.md, v7): +1-5% without a mask
-  // (most at D256 and long L); 2-4% slower under a causal mask at D64 and D256, so off there.
-  static constexpr bool kSoftmaxUnderPV = !Causal;
+  // and the softmax never overlaps the warpgroup's own P V wgmma. Measured (NOTES.md, v7 and v11): +1-5% without a
+  // mask (most at D256 and long L) and +2-5% at D64 causal; under a causal mask at D128 and D256 up to 2-4% slower.
+  static constexpr bool kSoftmaxUnderPV = !Causal || HeadDim == 64;
   // Q buffers: with two the producer loads the next tile's Q while this tile runs. Pays only at D64 (+1-5% with the
   // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
@@ -399,21 +395,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the next one go (round
   // robin). All see the same blocks, so all take the same number of turns. Consumer 0 goes first (the last
-  // consumer's arrival opens it). With kTurnsAcrossTiles the turns run on from tile to tile, and consumer 0 takes
-  // up the last consumer's final hand-over after its last tile; otherwise each tile starts afresh and the last
-  // consumer skips its last hand-over in each tile. Either way no arrival is left over when the CTA ends.
+  // consumer's arrival opens it). The turns run on from tile to tile rather than restarting with consumer 0 in each,
+  // so a consumer that has finished its epilogue starts the next tile while the others still store theirs
+  // (NOTES.md: +1-5% at D64/D128 in v7, +1-5% at D256 causal once the indices were warp-uniform in v11). Consumer 0
+  // takes up the last consumer's final hand-over after its last tile, so no arrival is left over when the CTA ends.
   constexpr int kLastConsumer = Traits::kConsumers - 1;
   const auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(1 + consumer, 256);
   };
-  const auto pass_turn = [&](bool last) {
-    if constexpr (Traits::kPingPong) {
-      if (Traits::kTurnsAcrossTiles || !(last && consumer == kLastConsumer)) {
-        named_barrier_arrive(1 + (consumer + 1) % Traits::kConsumers, 256);
-      }
-    }
+  const auto pass_turn = [&] {
+    if constexpr (Traits::kPingPong) named_barrier_arrive(1 + (consumer + 1) % Traits::kConsumers, 256);
   };
-  if constexpr (Traits::kPingPong && Traits::kTurnsAcrossTiles) {
+  if constexpr (Traits::kPingPong) {
     if (consumer == kLastConsumer) named_barrier_arrive(1, 256);  // consumer 0 takes the first turn
   }
 
@@ -476,10 +469,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float rescale[2];
     int last_col[2];
 
-    if constexpr (Traits::kPingPong && !Traits::kTurnsAcrossTiles) {
-      if (consumer == kLastConsumer) named_barrier_arrive(1, 256);
-    }
-
     // Block 0: S only (there is no P yet).
     const int q_stage = q_loads % Traits::kQStages;
     mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
@@ -488,7 +477,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
     wait_turn();
     issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(0)));
-    pass_turn(num_n_blocks == 1);
+    pass_turn();
     wgmma_wait<0>();
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
@@ -506,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
       mbarrier_wait(&smem.v_full[prev], parity_of(n_block - 1));
       issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
-      pass_turn(n_block == num_n_blocks - 1);
+      pass_turn();
 
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
@@ -604,7 +593,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   }
-  if constexpr (Traits::kPingPong && Traits::kTurnsAcrossTiles) {
+  if constexpr (Traits::kPingPong) {
     if (consumer == 0) named_barrier_sync(1, 256);  // the last consumer's final hand-over
   }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
