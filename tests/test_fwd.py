@@ -237,12 +237,15 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [256, 200])
-@pytest.mark.parametrize("len_q,len_k", [(129, 8192), (129, 8193), (300, 9000)])
-def test_cuda_causal_long_key_rows(head_dim, len_q, len_k):
-    # On Hopper, causal D256 (and the buckets it serves) takes 80-key blocks above 8192 keys and 64-key blocks up to
-    # there (fwd_kernel.h: kSm90LongCausalKeys): both sides of the switch.
+@pytest.mark.parametrize(
+    "causal,len_q,len_k",
+    [(False, 129, 1024), (False, 129, 1025), (False, 300, 2000), (True, 129, 8192), (True, 129, 8193), (True, 300, 9000)],
+)
+def test_cuda_d256_key_block_switch(head_dim, causal, len_q, len_k):
+    # On Hopper, D256 (and the buckets it serves) takes 64-key blocks with a staged O up to 1024 keys (8192 under a
+    # causal mask) and 80-key blocks above (fwd_kernel.h: sm90_d256_staged_max_keys): both sides of each switch.
     q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
-    run_and_check(q, k, v, causal=True)
+    run_and_check(q, k, v, causal)
 
 
 @pytest.mark.cuda

@@ -41,13 +41,16 @@ namespace flashattn::sm90 {
 
 // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
 // per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Causal D256 takes 64 keys, which leaves room to
-// stage O for TMA stores (kOBuffers): +16-20% at L1k, +7-14% at 2k, but 3-5% slower at 16k (NOTES.md, v10), so
-// long rows take 80 (run_fwd_sm90).
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short rows at D256 take 64 keys instead
+// (run_fwd_sm90), which leaves room to stage O for TMA stores (kOBuffers).
 constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
-  return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : (causal ? 64 : 80);
+  return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
 }
-inline constexpr int kSm90LongCausalKeys = 8192;  // causal D256 takes 80-key blocks above this many keys
+// D256 takes 64-key blocks and a staged O up to this many keys: that pays while the epilogue is a large part of a
+// tile, 80-key blocks with direct stores once the key loop dominates. Measured crossovers (NOTES.md, v10 and v11):
+// without a mask +5% at 1k keys, 0-5% slower at 2k, 7-8% at 8k-16k; causal (tiles of half the keys on average)
+// +20% at 1k, +8% at 2k, equal at 8k, 3-13% slower at 16k.
+constexpr int sm90_d256_staged_max_keys(bool causal) { return causal ? 8192 : 1024; }
 
 template <int HeadDim, bool Causal, int BlockN = sm90_fwd_block_n(HeadDim, Causal)>
 struct FwdTraits {
@@ -637,10 +640,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 // sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  // Causal D256 over long key rows: the epilogue is a small part of a tile, and 80-key blocks (direct stores) beat
-  // 64-key blocks with staged O (equal at 8k keys, +3-4% at 16k; NOTES.md, v10).
-  if constexpr (HeadDim == 256 && kCausal) {
-    if (params.len_k > kSm90LongCausalKeys) return launch_fwd_sm90<T, FwdTraits<256, true, 80>, true>(params, stream);
+  if constexpr (HeadDim == 256) {
+    if (params.len_k <= sm90_d256_staged_max_keys(kCausal)) {
+      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+    }
   }
   return launch_fwd_sm90<T, FwdTraits<HeadDim, kCausal>, kCausal>(params, stream);
 }
