@@ -48,8 +48,8 @@ constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
 }
 // D256 takes 64-key blocks and a staged O up to this many keys: that pays while the epilogue is a large part of a
 // tile, 80-key blocks with direct stores once the key loop dominates. Measured crossovers (NOTES.md, v10 and v11):
-// without a mask +5% at 1k keys, 0-5% slower at 2k, 7-8% at 8k-16k; causal (tiles of half the keys on average)
-// +20% at 1k, +8% at 2k, equal at 8k, 3-13% slower at 16k.
+// without a mask +5% at 1k keys, 0-5% slower at 2k, 3% at 4k, 7-8% at 8k-16k; causal (tiles of half the keys on
+// average) +20% at 1k, +8% at 2k, equal at 8k, 3-5% slower at 16k.
 constexpr int sm90_d256_staged_max_keys(bool causal) { return causal ? 8192 : 1024; }
 
 template <int HeadDim, bool Causal, int BlockN = sm90_fwd_block_n(HeadDim, Causal)>
@@ -87,9 +87,9 @@ struct FwdTraits {
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
   // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
-  // or one the two consumers take turns on (D128 with 176-key blocks, causal D256); none at D256 without a mask,
-  // where the ring of 80-key blocks fills shared memory. Measured (NOTES.md, v10): +5-11% at D128 L1k, +0-6% at
-  // 2k-4k; neutral at D64 causal; 6% slower at D64 without a mask at every length (ptxas then schedules the three
+  // or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks); none beside D256's
+  // 80-key blocks, which fill shared memory. Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at
+  // 2k-4k; neutral at D64 causal; 0-6% slower at D64 without a mask at every length (ptxas then schedules the three
   // 160-register consumers' softmax worse), so direct 4-byte stores there.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static constexpr int kMaxSmemBytes = 227 * 1024;
