@@ -131,7 +131,7 @@ struct SharedStorage {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
-  uint64_t* o_free;       // [kOBuffers == 1]: the TMA stores have read the shared buffer
+  uint64_t* o_free;       // [kOBuffers]: the TMA stores have read the staged O
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
@@ -150,7 +150,7 @@ struct SharedStorage {
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
     o_free = v_empty + Traits::kStages;
-    tile_full = o_free + (Traits::kOBuffers == 1);
+    tile_full = o_free + Traits::kOBuffers;
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.k_empty[s], kConsumerThreads);  // every consumer thread arrives once it has read the stage
       mbarrier_init(&smem.v_empty[s], kConsumerThreads);
     }
-    if (Traits::kOBuffers == 1) mbarrier_init(&smem.o_free[0], 4);  // each warp of the user
+    for (int b = 0; b < Traits::kOBuffers; ++b) mbarrier_init(&smem.o_free[b], 4);  // each warp of the user
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
       mbarrier_init(&smem.tile_empty[slot], kConsumerThreads);
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float scale_log2 = fabsf(p.scale_log2);
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
-  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged in the shared buffer (kOBuffers 1)
+  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
 
   int index = blockIdx.x;
   for (int j = 0;; ++j) {
@@ -544,18 +544,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     if constexpr (Traits::kOBuffers > 0) {
       // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
-      // reads, and its lane 0 stores them with TMA. In a buffer of its own a warp's rows are its alone: lane 0 waits
-      // for its previous store to have read them only now, before they are written again. A shared buffer goes round
-      // the consumers in order (o_free).
+      // reads, and its lane 0 stores them with TMA. A shared buffer goes round the consumers in order.
       const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
-      if constexpr (Traits::kOBuffers == 1) {
-        const int use = o_stores * Traits::kConsumers + consumer;
-        ++o_stores;
-        if (use > 0) mbarrier_wait(&smem.o_free[0], (use - 1) & 1);
-      } else {
-        if (lane == 0) bulk_wait_group_read<0>();
-        __syncwarp();
-      }
+      const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
+      ++o_stores;
+      if (use > 0) mbarrier_wait(&smem.o_free[buffer], (use - 1) & 1);
       T* const warp_rows = smem.o_buffer(buffer) + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
       const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
@@ -581,10 +574,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
         bulk_commit_group();
-        if constexpr (Traits::kOBuffers == 1) {
-          bulk_wait_group_read<0>();  // the other consumer may write the buffer next
-          mbarrier_arrive(&smem.o_free[0]);
-        }
+        bulk_wait_group_read<0>();  // the buffer may be written again
+        mbarrier_arrive(&smem.o_free[buffer]);
       }
     } else {
       // Direct 4-byte stores (rows past Lq and columns past D skipped).
@@ -604,9 +595,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
     }
-  }
-  if constexpr (Traits::kOBuffers > 0) {
-    if (lane == 0) bulk_wait_group<0>();  // shared memory stays allocated until the last stores have read it
   }
   if constexpr (Traits::kPingPong) {
     if (consumer == 0) named_barrier_sync(1, 256);  // the last consumer's final hand-over
