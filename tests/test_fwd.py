@@ -238,13 +238,24 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [256, 200])
 @pytest.mark.parametrize(
-    "causal,len_q,len_k",
-    [(False, 129, 1024), (False, 129, 1025), (False, 300, 2000), (True, 129, 8192), (True, 129, 8193), (True, 300, 9000)],
+    "causal,batch,heads,len_q,len_k",
+    [
+        (False, 1, 4, 129, 1024),
+        (False, 1, 4, 129, 1025),
+        (False, 1, 4, 300, 2000),
+        (True, 1, 4, 129, 8192),
+        (True, 1, 4, 129, 8193),
+        (True, 1, 4, 300, 9000),
+        (True, 2, 16, 1000, 8300),  # 256 tiles: several per CTA, taken from the counter
+        (True, 1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key, whole tiles included
+    ],
 )
-def test_cuda_d256_key_block_switch(head_dim, causal, len_q, len_k):
+def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
     # On Hopper, D256 (and the buckets it serves) takes 64-key blocks with a staged O up to 1024 keys (8192 under a
-    # causal mask) and 80-key blocks above (fwd_kernel.h: sm90_d256_staged_max_keys): both sides of each switch.
-    q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    # causal mask) and 80-key blocks above (fwd_kernel.h: sm90_d256_staged_max_keys): both sides of each switch, and
+    # the 80-key causal kernel over several tiles per CTA and with tiles that see no key. Both kernels are correct on
+    # either side, so this checks results, not which kernel ran.
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
     run_and_check(q, k, v, causal)
 
 

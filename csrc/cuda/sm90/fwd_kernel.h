@@ -41,8 +41,8 @@ namespace flashattn::sm90 {
 
 // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
 // per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short rows at D256 take 64 keys instead
-// (run_fwd_sm90), which leaves room to stage O for TMA stores (kOBuffers).
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). At D256 short key rows (small L_k) take 64 keys
+// instead (run_fwd_sm90), which leaves room to stage O for TMA stores (kOBuffers).
 constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
   return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
 }
