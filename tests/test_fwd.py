@@ -260,6 +260,16 @@ def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [128, 120])
+@pytest.mark.parametrize("len_k", [1, 64, 65, 128, 129, 176, 177, 240, 241, 305, 353, 4096])
+def test_cuda_partial_first_key_block(head_dim, len_k):
+    # Without a mask the Hopper forward at D128 (176-key blocks) computes the partial key block first and only as
+    # wide as it needs (64, 128 or 176 columns: fwd_kernel.h, kNarrowFirstBlock); every width and exact multiples.
+    q, k, v = make_qkv(2, 4, 2, 130, len_k, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal=False)
+
+
+@pytest.mark.cuda
 def test_cuda_non_default_stream():
     # Inputs are written on a side stream after a delay; the op must run on that (current) stream to see them.
     src = make_qkv(2, 4, 4, 300, 300, 64, torch.float16, "cuda")

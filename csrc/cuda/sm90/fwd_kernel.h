@@ -67,6 +67,10 @@ struct FwdTraits {
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
   static constexpr int kStages = 2;
+  // Without a mask the partial key block (L_k mod kBlockN keys) goes first, where its S = Q K^T is computed only as
+  // wide as it needs (64 or 128 columns of the 176: an N = 64 or 128 accumulator is a prefix of the N = 176 one);
+  // every later block is full and unmasked. Only where the blocks are wider than 128 keys.
+  static constexpr bool kNarrowFirstBlock = !Causal && BlockN > 128;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
   // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
@@ -163,15 +167,18 @@ struct SharedStorage {
 
 // S = Q K^T for this warpgroup's 64 rows: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next
 // 64-column sub-tile. Issued and committed as one group; the caller waits.
-template <typename T, typename Traits>
+// kColumns < kBlockN computes only the first kColumns key columns (the accumulator's first kColumns / 2 registers).
+template <typename T, typename Traits, int kColumns = Traits::kBlockN>
 __device__ __forceinline__ void issue_qk(float (&s)[Traits::kBlockN / 2], const T* q_rows, const T* k_tile) {
+  static_assert(kColumns <= Traits::kBlockN, "S is at most a block wide");
+  auto& s_columns = reinterpret_cast<float(&)[kColumns / 2]>(s);
   wgmma_fence_registers(s);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int c = kk / 4, k_in_row = (kk % 4) * 16;
-    Wgmma<T, Traits::kBlockN>::template ss<false>(s, smem_desc_sw128(q_rows + c * Traits::kSubTileQ + k_in_row),
-                                                  smem_desc_sw128(k_tile + c * Traits::kSubTileKV + k_in_row), kk > 0);
+    Wgmma<T, kColumns>::template ss<false>(s_columns, smem_desc_sw128(q_rows + c * Traits::kSubTileQ + k_in_row),
+                                           smem_desc_sw128(k_tile + c * Traits::kSubTileKV + k_in_row), kk > 0);
   }
   wgmma_commit();
 }
@@ -270,6 +277,20 @@ struct Tile {
     num_n_blocks = (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
   }
   __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, p.len_q); }
+  // Key block n covers keys key_start(n) .. key_end(n) - 1. With kNarrowFirstBlock the partial block is block 0 and
+  // block n >= 1 ends at L_k - (num_n_blocks - 1 - n) * kBlockN; otherwise blocks start at multiples of kBlockN.
+  __device__ int key_start(int n_block, const FwdParams& p) const {
+    if constexpr (Traits::kNarrowFirstBlock) {
+      return n_block == 0 ? 0 : p.len_k - (num_n_blocks - n_block) * Traits::kBlockN;
+    }
+    return n_block * Traits::kBlockN;
+  }
+  __device__ int key_end(int n_block, const FwdParams& p) const {
+    if constexpr (Traits::kNarrowFirstBlock) {
+      return p.len_k - (num_n_blocks - 1 - n_block) * Traits::kBlockN;
+    }
+    return min((n_block + 1) * Traits::kBlockN, p.len_k);
+  }
   __device__ int kv_head(const FwdParams& p) const { return head / p.heads_per_kv; }
   template <typename T>
   __device__ T* out(const FwdParams& p) const {
@@ -360,7 +381,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int n_block = 0; n_block < tile.num_n_blocks; ++n_block, ++kv_loads) {
         const int stage = kv_loads % kStages;
         const int use = kv_loads / kStages;
-        const int row = n_block * kBlockN;
+        const int row = tile.key_start(n_block, p);
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
@@ -447,14 +468,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       continue;
     }
 
-    // Mask needed: the block reaches past L_k, or (causal) past the diagonal of the tile's first row.
-    const auto needs_mask = [&](int n_start) {
-      return n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > tile.m_start + causal_shift);
+    // Mask needed: the block has fewer than kBlockN keys (it reaches past L_k, or with kNarrowFirstBlock it is the
+    // partial block 0), or (causal) it reaches past the diagonal of the tile's first row.
+    const auto needs_mask = [&](int n_block, int n_start) {
+      const bool partial = Traits::kNarrowFirstBlock ? n_block == 0 && tile.key_end(0, p) < kBlockN
+                                                     : n_start + kBlockN > p.len_k;
+      return partial || (kCausal && n_start + kBlockN - 1 > tile.m_start + causal_shift);
     };
-    const auto last_cols = [&](int n_start, int (&last_col)[2]) {
+    const auto last_cols = [&](int n_block, int n_start, int (&last_col)[2]) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        int last = p.len_k - 1;
+        int last = Traits::kNarrowFirstBlock ? tile.key_end(n_block, p) - 1 : p.len_k - 1;
         if (kCausal) last = min(last, tile.m_start + row_in_block0 + 8 * h + causal_shift);
         last_col[h] = last - n_start - 2 * (lane % 4);
       }
@@ -479,20 +503,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
     mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
     wait_turn();
-    issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(0)));
-    pass_turn();
-    wgmma_wait<0>();
+    if constexpr (Traits::kNarrowFirstBlock) {  // each branch waits for its own S
+      const T* const k_first = smem.k_stage(stage_of(0));
+      if (tile.key_end(0, p) <= 64) {
+        issue_qk<T, Traits, 64>(s, q_rows, k_first);
+        pass_turn();
+        wgmma_wait<0>();
+      } else if (tile.key_end(0, p) <= 128) {
+        issue_qk<T, Traits, 128>(s, q_rows, k_first);
+        pass_turn();
+        wgmma_wait<0>();
+      } else {
+        issue_qk<T, Traits>(s, q_rows, k_first);
+        pass_turn();
+        wgmma_wait<0>();
+      }
+    } else {
+      issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(0)));
+      pass_turn();
+      wgmma_wait<0>();
+    }
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
     if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
-    last_cols(0, last_col);
-    softmax.update(s, scale_log2, negate, needs_mask(0), last_col, rescale);
+    last_cols(0, 0, last_col);  // masks the columns past the block's keys, including any the narrow S left unwritten
+    softmax.update(s, scale_log2, negate, needs_mask(0, 0), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
       const int stage = stage_of(n_block);
       const int prev = stage_of(n_block - 1);
-      const int n_start = n_block * kBlockN;
+      const int n_start = tile.key_start(n_block, p);
       mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
       wait_turn();
       issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
@@ -504,8 +545,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence_registers(s);
       mbarrier_arrive(&smem.k_empty[stage]);
       if (n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_stage]);  // the producer may reuse it
-      last_cols(n_start, last_col);
-      softmax.update(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
+      last_cols(n_block, n_start, last_col);
+      softmax.update(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
       if constexpr (Traits::kSoftmaxUnderPV) {
         keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);
       }
