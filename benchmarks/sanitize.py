@@ -20,6 +20,8 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (4, 8, 4, 1000, 1000, 256, True),  # 256 causal tiles at D256: one shared O buffer
     (1, 2, 2, 100, 8300, 256, True),  # causal D256 over more than 8192 keys: 80-key blocks
     (2, 4, 2, 300, 1000, 256, False),  # D256 up to 1024 keys: 64-key blocks, one shared O buffer
+    (1, 2, 1, 2100, 2100, 64, True),  # causal D64 from 2048 queries and keys: 192-row tiles, three consumers
+    (1, 2, 2, 4200, 2100, 64, True),  # the same with tiles that see no key
 ]
 
 

@@ -270,6 +270,20 @@ def test_cuda_partial_first_key_block(head_dim, len_k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize(
+    "len_q,len_k",
+    [(2047, 2048), (2048, 2047), (2048, 2048), (2049, 3000), (4100, 2100), (2100, 4100)],
+)
+def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
+    # Under a causal mask the Hopper forward at D64 (and the buckets it serves) takes 192-row tiles once queries and
+    # keys both reach 2048, 128-row tiles below (launch.h: sm90_causal_block_m): both sides of the switch, and 192-row
+    # tiles that see no key (Lq > Lk: the first 2000 rows).
+    q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal=True)
+
+
+@pytest.mark.cuda
 def test_cuda_non_default_stream():
     # Inputs are written on a side stream after a delay; the op must run on that (current) stream to see them.
     src = make_qkv(2, 4, 4, 300, 300, 64, torch.float16, "cuda")
@@ -285,6 +299,11 @@ def test_cuda_non_default_stream():
     for t in (out, lse):  # allocated on the side stream, read on the current one
         t.record_stream(torch.cuda.current_stream())
     assert_attention_close(out, lse, *src, causal=True)
+
+
+def causal_block_m(head_dim, len_q, len_k):
+    """csrc/cuda/launch.h sm90_causal_block_m: query rows per causal tile of the Hopper forward."""
+    return 192 if head_dim <= 64 and len_q >= 2048 and len_k >= 2048 else 128
 
 
 def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
@@ -305,9 +324,17 @@ def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize(
     "batch,heads,len_q,len_k",
-    [(2, 16, 1024, 1024), (2, 12, 1300, 1300), (2, 12, 1300, 300), (1, 16, 1300, 1700)],
-    # On a 132-SM H200: zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see no key, the counter.
-    ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven"],
+    [
+        (2, 16, 1024, 1024),
+        (2, 12, 1300, 1300),
+        (2, 12, 1300, 300),
+        (1, 16, 1300, 1700),
+        (2, 12, 2100, 2100),
+        (1, 16, 2100, 2500),
+    ],
+    # On a 132-SM H200: zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see no key, the counter; then at
+    # D64 with 192-row tiles (11 per head), zigzag on 132 and the counter.
+    ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven", "long-11-blocks", "long-uneven"],
 )
 def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q, len_k):
     # On Hopper the causal tiles are handed out in static zigzag rounds or from a counter. A tile's result must not
@@ -332,7 +359,8 @@ def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q,
         assert "FLASHATTN_FWD_SCHEDULE must be auto or counter" in str(error)
         hopper = True
     if hopper:  # the counter is one allocation more (a zeroed int32); "auto" allocates it only where it uses it
-        num_m_blocks = -(-len_q // 128)
+        block_m = causal_block_m(head_dim, len_q, len_k)
+        num_m_blocks = -(-len_q // block_m)
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         zigzag = causal_zigzag_grid(num_m_blocks, num_m_blocks * heads * batch, num_sms) > 0
         assert counter_allocations - auto_allocations == (1 if zigzag else 0)

@@ -127,7 +127,7 @@ Sm90Mode sm90_bwd_mode() {
 
 // The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h): returns its grid, or
 // 0 for a tile counter. FLASHATTN_FWD_SCHEDULE=counter forces the counter (read per call, for tests and comparisons).
-int sm90_causal_zigzag_grid_for(const FwdParams& params, const at::Tensor& q) {
+int sm90_causal_zigzag_grid_for(const FwdParams& params, int bucket, const at::Tensor& q) {
   const char* env = std::getenv("FLASHATTN_FWD_SCHEDULE");
   if (env != nullptr && *env != '\0') {
     TORCH_CHECK(std::strcmp(env, "counter") == 0 || std::strcmp(env, "auto") == 0,
@@ -135,7 +135,8 @@ int sm90_causal_zigzag_grid_for(const FwdParams& params, const at::Tensor& q) {
     if (std::strcmp(env, "counter") == 0) return 0;
   }
   const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  const int64_t num_m_blocks = (params.len_q + kSm90CausalBlockM - 1) / kSm90CausalBlockM;
+  const int block_m = sm90_causal_block_m(sm90_kernel_head_dim(bucket), params.len_q, params.len_k);
+  const int64_t num_m_blocks = (params.len_q + block_m - 1) / block_m;
   return sm90_causal_zigzag_grid(num_m_blocks, num_m_blocks * params.heads * params.batch, num_sms);
 }
 
@@ -211,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const bool use_sm90 = sm90_fwd_applies(bucket, q);
   at::Tensor tile_counter;  // freed after the launch is enqueued: the caching allocator orders reuse on the stream
   if (use_sm90 && causal) {
-    params.zigzag_grid = sm90_causal_zigzag_grid_for(params, q);
+    params.zigzag_grid = sm90_causal_zigzag_grid_for(params, bucket, q);
     if (params.zigzag_grid == 0) {
       tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
       params.tile_counter = tile_counter.data_ptr<int>();

@@ -35,7 +35,7 @@ constexpr int sm90_kernel_head_dim(int bucket) { return bucket <= 64 ? 64 : buck
 constexpr bool sm90_fwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 
-// The causal Hopper forward's schedule. Its tiles (kSm90CausalBlockM query rows of one batch and head, numbered with
+// The causal Hopper forward's schedule. Its tiles (sm90_causal_block_m query rows of one batch and head, numbered with
 // the query block fastest, each head's longest rows first) differ in length. Static zigzag rounds (round r gives CTA
 // c the tile r * grid + c, odd rounds counted from the other end) pair each long tile with a short one when the
 // rounds pair up: a grid that is a multiple of the query blocks per head with an even number of full rounds, or a
@@ -45,7 +45,13 @@ constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 25
 // (FwdParams::tile_counter) instead. A grid below the SM count leaves SMs idle, which pays only while tiles are
 // short: measured on 128 of 132 SMs (NOTES.md, v8), +1-5% at up to 64 query blocks per head (L <= 8k), -1-1.5% at
 // 128 (L16k), where the counter's per-tile costs matter less than the idle SMs.
-inline constexpr int kSm90CausalBlockM = 128;
+// Query rows per causal tile: 64 per consumer warpgroup. D64 takes three consumers (192 rows) once queries and keys
+// are long: measured +4% at L4k and +8% at 8k-16k, equal at 2k, -10% at 1k (192-row tiles mask more on the diagonal,
+// and a head's last tile is mostly empty; NOTES.md, v12). Otherwise two (128 rows). The host sizes the schedule
+// with it and the Hopper forward picks its kernel with it (fwd_kernel.h, run_fwd_sm90).
+constexpr int sm90_causal_block_m(int kernel_head_dim, int64_t len_q, int64_t len_k) {
+  return kernel_head_dim == 64 && len_q >= 2048 && len_k >= 2048 ? 192 : 128;
+}
 constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms) {
   for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {
     if (size < num_sms && num_m_blocks > 64) return 0;

@@ -7,7 +7,7 @@
 // thread loads each tile's Q and its K/V blocks into a 2-stage ring with TMA (128-byte swizzle; rows past L and
 // columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
 // 2). Each Q buffer and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
-// consumer done with it). The consumer warpgroups (2, or 3 at D64 without a causal mask) each own 64 query rows and
+// consumer done with it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers) each own 64 query rows and
 // run, per key block n (FlashAttention-3's intra-warpgroup overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
@@ -30,7 +30,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "cuda/launch.h"  // kSm90CausalBlockM
+#include "cuda/launch.h"  // sm90_causal_block_m
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"  // pack2, fast_exp2
 #include "cuda/sm90/ptx.h"
@@ -52,14 +52,17 @@ constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
 // average) +20% at 1k, +8% at 2k, equal at 8k, 3-5% slower at 16k.
 constexpr int sm90_d256_staged_max_keys(bool causal) { return causal ? 8192 : 1024; }
 
-template <int HeadDim, bool Causal, int BlockN = sm90_fwd_block_n(HeadDim, Causal)>
+// Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
+// warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
+// causal mask the host takes three only for long rows (launch.h, sm90_causal_block_m). At D128/D256 the registers
+// (O is 64/128 per thread) allow only two.
+constexpr int sm90_fwd_consumers(int head_dim, bool causal) { return head_dim == 64 && !causal ? 3 : 2; }
+
+template <int HeadDim, bool Causal, int BlockN = sm90_fwd_block_n(HeadDim, Causal),
+          int Consumers = sm90_fwd_consumers(HeadDim, Causal)>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
-  // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
-  // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
-  // causal mask the 192-row tiles lose at L1k-2k (-14% at 1k: more masked work, fewer tiles to balance), so two.
-  // At D128/D256 the registers (O is 64/128 per thread) allow only two.
-  static constexpr int kConsumers = HeadDim == 64 && !Causal ? 3 : 2;
+  static constexpr int kConsumers = Consumers;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = BlockN;
   // Causal tiles differ in length: the CTAs take them from a global counter (longest first) or in zigzag rounds
@@ -116,7 +119,6 @@ struct FwdTraits {
   // consumers that phase is the waiter's own previous use, and the ping-pong barrier (all of a consumer's threads in
   // every tile) guarantees all four of its warps arrived for it; with three it could be another consumer's pending use.
   static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
-  static_assert(!Causal || kBlockM == kSm90CausalBlockM, "the host chooses the causal schedule for this tile height");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -667,6 +669,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
       cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return cudaGetLastError();
   }
+  // The host sized the causal schedule (zigzag grid) for the tile height sm90_causal_block_m gives.
+  if (kCausal && Traits::kBlockM != sm90_causal_block_m(Traits::kHeadDim, params.len_q, params.len_k)) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_tiles = num_m_blocks * params.heads * params.batch;
   // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (chosen by flash_api).
@@ -684,6 +690,11 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if constexpr (HeadDim == 256) {
     if (params.len_k <= sm90_d256_staged_max_keys(kCausal)) {
       return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+    }
+  }
+  if constexpr (HeadDim == 64 && kCausal) {
+    if (sm90_causal_block_m(64, params.len_q, params.len_k) == 192) {
+      return launch_fwd_sm90<T, FwdTraits<64, true, sm90_fwd_block_n(64, true), 3>, kCausal>(params, stream);
     }
   }
   return launch_fwd_sm90<T, FwdTraits<HeadDim, kCausal>, kCausal>(params, stream);
