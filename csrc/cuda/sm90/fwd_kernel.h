@@ -84,8 +84,6 @@ struct FwdTraits {
   // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
-  // Exponentials on the FMA pipe for every kPolyExp2Every-th 8-column chunk of S (0: all on the MUFU unit).
-  static constexpr int kPolyExp2Every = 0;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -203,22 +201,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint3
   wgmma_commit();
 }
 
-// 2^x on the FMA and integer pipes instead of the MUFU unit, for x <= 0 (-inf included): x = n + f with n = round(x),
-// a degree-3 polynomial for 2^f on [-1/2, 1/2] (relative error 7.5e-5, far below the bf16 rounding of P), and n added
-// to the exponent bits. Below 2^-126 the result is a denormal, which the flush-to-zero arithmetic reads as 0.
-__device__ __forceinline__ float poly_exp2(float x) {
-  x = fmaxf(x, -127.f);
-  const float rounded = x + 12582912.f;  // 1.5 * 2^23: the sum's low mantissa bits hold round(x)
-  const float f = x - (rounded - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261114f), f, 0.69326097f), f, 0.99992806f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(rounded) << 23));
-}
-
 // Online softmax over one block of scores, in place: s becomes exp2(s * scale_log2 - row max) (masked entries 0),
 // the running max and sum of the thread's two rows (h = 0, 1: rows r and r + 8) are updated, and the factor the
 // old O rows must be multiplied by is returned in rescale. Rows live in 4-lane quads, as in the sm80 kernel.
-// kPolyEvery > 0: every kPolyEvery-th 8-column chunk takes poly_exp2, to offload the MUFU unit.
-template <int kBlockN, int kPolyEvery = 0>
+template <int kBlockN>
 struct RowSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
@@ -257,8 +243,7 @@ struct RowSoftmax {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[4 * j + 2 * h + c];
-          const float e = fmaf(x, scale_log2, -base);
-          x = kPolyEvery > 0 && j % kPolyEvery == kPolyEvery - 1 ? poly_exp2(e) : sm80::fast_exp2(e);
+          x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
           sum += x;
         }
       }
@@ -509,7 +494,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
     float s[kBlockN / 2];
     uint32_t p_frag[kBlockN / 16][4];
-    RowSoftmax<kBlockN, Traits::kPolyExp2Every> softmax;
+    RowSoftmax<kBlockN> softmax;
     float rescale[2];
     int last_col[2];
 
