@@ -84,6 +84,8 @@ struct FwdTraits {
   // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
+  // Rescale O only on blocks where a row's reference max moves by more than 2^8 (RowSoftmax, kLazy).
+  static constexpr bool kLazyRescale = !(HeadDim == 128 && !Causal);
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -204,15 +206,20 @@ __device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint3
 // Online softmax over one block of scores, in place: s becomes exp2(s * scale_log2 - row max) (masked entries 0),
 // the running max and sum of the thread's two rows (h = 0, 1: rows r and r + 8) are updated, and the factor the
 // old O rows must be multiplied by is returned in rescale. Rows live in 4-lane quads, as in the sm80 kernel.
-template <int kBlockN>
+// kLazy: the reference max a row's exponentials are taken against moves only when the block's max exceeds it by more
+// than 2^kLazyRescaleLog2 (the exponentials then stay below 256), so O needs rescaling only on those blocks (update
+// returns whether one of the thread's rows moved).
+inline constexpr float kLazyRescaleLog2 = 8.f;
+template <int kBlockN, bool kLazy>
 struct RowSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
   // last_col[h]: the last key column (relative to the block, already minus this lane's column offset) row h may
   // see; needs_mask false skips the comparisons on blocks that are fully inside the ragged and causal limits.
-  __device__ __forceinline__ void update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
+  __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
                                          const int (&last_col)[2], float (&rescale)[2]) {
+    bool moved = false;
     if (needs_mask || negate) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -234,9 +241,13 @@ struct RowSoftmax {
       for (int j = 0; j < kBlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
-      const float base = block_max == -INFINITY ? 0.f : block_max * scale_log2;
-      rescale[h] = sm80::fast_exp2(row_max[h] * scale_log2 - base);
-      row_max[h] = block_max;
+      // From -inf any finite max moves it; -inf to -inf (a row with no key yet) does not (NaN compares false).
+      const bool move = !kLazy || (block_max - row_max[h]) * scale_log2 > kLazyRescaleLog2;
+      const float reference = move ? block_max : row_max[h];
+      const float base = reference == -INFINITY ? 0.f : reference * scale_log2;
+      rescale[h] = move ? sm80::fast_exp2(row_max[h] * scale_log2 - base) : 1.f;
+      row_max[h] = reference;
+      moved |= move;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
@@ -249,6 +260,7 @@ struct RowSoftmax {
       }
       row_sum[h] = row_sum[h] * rescale[h] + sum;
     }
+    return moved;
   }
 };
 
@@ -494,7 +506,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
     float s[kBlockN / 2];
     uint32_t p_frag[kBlockN / 16][4];
-    RowSoftmax<kBlockN> softmax;
+    RowSoftmax<kBlockN, Traits::kLazyRescale> softmax;
     float rescale[2];
     int last_col[2];
 
@@ -548,7 +560,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_arrive(&smem.k_empty[stage]);
       if (n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_stage]);  // the producer may reuse it
       last_cols(n_block, n_start, last_col);
-      softmax.update(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
+      const bool moved = softmax.update(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
       if constexpr (Traits::kSoftmaxUnderPV) {
         keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);
       }
@@ -557,7 +569,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence_registers(o);
       wgmma_fence_registers(p_frag);
       mbarrier_arrive(&smem.v_empty[prev]);
-      rescale_o<kHeadDim>(o, rescale);
+      if (!Traits::kLazyRescale || __any_sync(0xffffffff, moved)) rescale_o<kHeadDim>(o, rescale);
       pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
     }
 
