@@ -284,6 +284,23 @@ def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_growing_row_max(head_dim, growth, causal):
+    # Scores that grow along the keys by `growth` (log2 units per key), so every key block raises the row max: by less
+    # than the Hopper forward's lazy-rescale threshold per block (its exponentials then reach up to 2^8), by more, or
+    # never (growth < 0). fwd_kernel.h: kLazyRescaleLog2.
+    len_q, len_k = 300, 1000
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
+    scale = 1.0 / math.sqrt(head_dim)
+    q = 0.1 * q
+    q[..., 0] = 1.0
+    k[..., 0] = growth * torch.arange(len_k, device="cuda") / (scale * math.log2(math.e))
+    run_and_check(*(t.to(torch.bfloat16) for t in (q, k, v)), causal)
+
+
+@pytest.mark.cuda
 def test_cuda_non_default_stream():
     # Inputs are written on a side stream after a delay; the op must run on that (current) stream to see them.
     src = make_qkv(2, 4, 4, 300, 300, 64, torch.float16, "cuda")

@@ -14,7 +14,7 @@
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
 //     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (where kSoftmaxUnderPV keeps ptxas from
 //                                                                   hoisting the next wait above it)
-//     wait for P V; rescale O; pack P[n]
+//     wait for P V; rescale O (only where a row's max moved, with kLazyRescale); pack P[n]
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
@@ -84,8 +84,10 @@ struct FwdTraits {
   // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
-  // Rescale O only on blocks where a row's reference max moves by more than 2^8 (RowSoftmax, kLazy).
-  static constexpr bool kLazyRescale = !(HeadDim == 128 && !Causal);
+  // Rescale O only on blocks where a row's reference max moved (RowSoftmax::update, kLazy). Measured (NOTES.md, v12):
+  // +2-6% at D256, +0-3% at D64 with three consumers; neutral at D128 causal, 4% slower at D64 causal L1k (two
+  // consumers).
+  static constexpr bool kLazyRescale = HeadDim == 256 || kConsumers == 3;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
@@ -206,17 +208,19 @@ __device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint3
 // Online softmax over one block of scores, in place: s becomes exp2(s * scale_log2 - row max) (masked entries 0),
 // the running max and sum of the thread's two rows (h = 0, 1: rows r and r + 8) are updated, and the factor the
 // old O rows must be multiplied by is returned in rescale. Rows live in 4-lane quads, as in the sm80 kernel.
-// kLazy: the reference max a row's exponentials are taken against moves only when the block's max exceeds it by more
-// than 2^kLazyRescaleLog2 (the exponentials then stay below 256), so O needs rescaling only on those blocks (update
-// returns whether one of the thread's rows moved).
+// With kLazy the max a row's exponentials are taken against (the reference) moves only when the block's max exceeds
+// it by more than kLazyRescaleLog2 in log2 units, so the exponentials stay below 2^8 (far from overflow in fp32 sums
+// and in 16-bit P) and O needs rescaling only on blocks where some row moved; update returns whether one of the
+// thread's rows did. After the first blocks of a row that is rare.
 inline constexpr float kLazyRescaleLog2 = 8.f;
-template <int kBlockN, bool kLazy>
+template <int kBlockN>
 struct RowSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
   // last_col[h]: the last key column (relative to the block, already minus this lane's column offset) row h may
   // see; needs_mask false skips the comparisons on blocks that are fully inside the ragged and causal limits.
+  template <bool kLazy>
   __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
                                          const int (&last_col)[2], float (&rescale)[2]) {
     bool moved = false;
@@ -506,7 +510,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
     float s[kBlockN / 2];
     uint32_t p_frag[kBlockN / 16][4];
-    RowSoftmax<kBlockN, Traits::kLazyRescale> softmax;
+    RowSoftmax<kBlockN> softmax;
     float rescale[2];
     int last_col[2];
 
@@ -541,7 +545,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
     if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
     last_cols(0, 0, last_col);  // masks the columns past the block's keys, including any the narrow S left unwritten
-    softmax.update(s, scale_log2, negate, needs_mask(0, 0), last_col, rescale);
+    // Block 0 moves every row's reference off -inf: no lazy test (which here only costs registers).
+    softmax.template update<false>(s, scale_log2, negate, needs_mask(0, 0), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
@@ -560,7 +565,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_arrive(&smem.k_empty[stage]);
       if (n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_stage]);  // the producer may reuse it
       last_cols(n_block, n_start, last_col);
-      const bool moved = softmax.update(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
+      const bool moved = softmax.template update<Traits::kLazyRescale>(
+          s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
       if constexpr (Traits::kSoftmaxUnderPV) {
         keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);
       }
@@ -569,7 +575,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence_registers(o);
       wgmma_fence_registers(p_frag);
       mbarrier_arrive(&smem.v_empty[prev]);
-      if (!Traits::kLazyRescale || __any_sync(0xffffffff, moved)) rescale_o<kHeadDim>(o, rescale);
+      if (!Traits::kLazyRescale || __any_sync(0xffffffff, moved)) rescale_o<kHeadDim>(o, rescale);  // warp-uniform
       pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
     }
 
