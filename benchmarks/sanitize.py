@@ -22,6 +22,8 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (2, 4, 2, 300, 1000, 256, False),  # D256 up to 1024 keys: 64-key blocks, one shared O buffer
     (1, 2, 1, 2100, 2100, 64, True),  # causal D64 from 2048 queries and keys: 192-row tiles, three consumers
     (1, 2, 2, 4200, 2100, 64, True),  # the same with tiles that see no key
+    (2, 12, 6, 2100, 2100, 64, True),  # 264 tiles of 192 rows: two zigzag rounds per CTA
+    (2, 12, 6, 4200, 2100, 64, True),  # 528 of them, those that see no key mixed in
 ]
 
 

@@ -7,7 +7,9 @@ copy of this checkout under --scratch with those constants replaced, built for t
 bench_sdpa.py in its own process. Builds run in parallel; --repeats times every variant again in later rounds.
 A variant without replacements is the checkout as it is (the baseline of the same run). A kBlockN replacement applies
 to every key-block variant of that head dim (at D256 both the 64- and the 80-key kernel that run_fwd_sm90 chooses
-between by L_k). Used for the figures in benchmarks/NOTES.md; one GPU call tunes several variants:
+between by L_k), and a kConsumers one to every kernel of that head dim (at D64 causal both the two- and the
+three-consumer kernel; a height that disagrees with launch.h's sm90_causal_block_m fails at launch). Used for the
+figures in benchmarks/NOTES.md; one GPU call tunes several variants:
 
     python benchmarks/tune_fwd.py "sm90 128" "sm90 128 kBlockN=176" "sm80 128 kMTiles=2 kNWarps=4 kBlockN=64"
 """

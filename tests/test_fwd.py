@@ -260,12 +260,13 @@ def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [128, 120])
 @pytest.mark.parametrize("len_k", [1, 64, 65, 128, 129, 176, 177, 240, 241, 305, 353, 4096])
-def test_cuda_partial_first_key_block(head_dim, len_k):
+def test_cuda_partial_first_key_block(head_dim, len_k, dtype):
     # Without a mask the Hopper forward at D128 (176-key blocks) computes the partial key block first and only as
     # wide as it needs (64, 128 or 176 columns: fwd_kernel.h, kNarrowFirstBlock); every width and exact multiples.
-    q, k, v = make_qkv(2, 4, 2, 130, len_k, head_dim, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, 4, 2, 130, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=False)
 
 
@@ -287,15 +288,17 @@ def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cuda_growing_row_max(head_dim, growth, causal):
-    # Scores that grow along the keys by `growth` (log2 units per key), so every key block raises the row max: by less
-    # than the Hopper forward's lazy-rescale threshold per block (its exponentials then reach up to 2^8), by more, or
-    # never (growth < 0). fwd_kernel.h: kLazyRescaleLog2.
-    len_q, len_k = 300, 1000
+@pytest.mark.parametrize("len_q,len_k", [(300, 1000), (2100, 2100)], ids=["short", "long"])
+def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k):
+    # Scores that grow along the keys by `growth` (log2 units per key) in even rows and half that in odd ones, so the
+    # row max rises on every key block: by less than the Hopper forward's lazy-rescale threshold per block (its
+    # exponentials then reach up to 2^8), by more, or never (growth < 0), and the rows of one warp move on different
+    # blocks. fwd_kernel.h: kLazyRescaleLog2; "long" reaches the three-consumer causal D64 kernel.
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = 1.0 / math.sqrt(head_dim)
     q = 0.1 * q
-    q[..., 0] = 1.0
+    q[..., 0::2, 0] = 1.0
+    q[..., 1::2, 0] = 0.5
     k[..., 0] = growth * torch.arange(len_k, device="cuda") / (scale * math.log2(math.e))
     run_and_check(*(t.to(torch.bfloat16) for t in (q, k, v)), causal)
 

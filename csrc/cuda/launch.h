@@ -43,8 +43,8 @@ constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 25
 // (benchmarks/schedule_balance.py) with no counter, memset or atomics. This returns the largest such grid within
 // 1/32 below the SM count, or 0 if there is none: then the CTAs take their tiles from a zeroed counter
 // (FwdParams::tile_counter) instead. A grid below the SM count leaves SMs idle, which pays only while tiles are
-// short: measured on 128 of 132 SMs (NOTES.md, v8), +1-5% at up to 64 query blocks per head (L <= 8k), -1-1.5% at
-// 128 (L16k), where the counter's per-tile costs matter less than the idle SMs.
+// short: measured on 128 of 132 SMs (NOTES.md, v8), +1-5% at up to 64 query blocks per head (L <= 8k with 128-row
+// tiles), -1-1.5% at 128 (L16k), where the counter's per-tile costs matter less than the idle SMs.
 // Query rows per causal tile: 64 per consumer warpgroup. D64 takes three consumers (192 rows) once queries and keys
 // are long: measured +4% at L4k and +8% at 8k-16k, equal at 2k, -10% at 1k (192-row tiles mask more on the diagonal,
 // and a head's last tile is mostly empty; NOTES.md, v12). Otherwise two (128 rows). The host sizes the schedule

@@ -7,7 +7,8 @@
 // thread loads each tile's Q and its K/V blocks into a 2-stage ring with TMA (128-byte swizzle; rows past L and
 // columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
 // 2). Each Q buffer and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
-// consumer done with it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers) each own 64 query rows and
+// consumer done with it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
+// launch.h's sm90_causal_block_m) each own 64 query rows and
 // run, per key block n (FlashAttention-3's intra-warpgroup overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
@@ -100,8 +101,9 @@ struct FwdTraits {
   // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
   // or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks); none beside D256's
   // 80-key blocks, which fill shared memory. Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at
-  // 2k-4k; neutral at D64 causal; 0-6% slower at D64 without a mask at every length (ptxas then schedules the three
-  // 160-register consumers' softmax worse), so direct 4-byte stores there.
+  // 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a mask at every length (ptxas then
+  // schedules the three 160-register consumers' softmax worse), so direct 4-byte stores there. The three-consumer
+  // causal D64 kernel (L >= 2048) stages O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
@@ -545,7 +547,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
     if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
     last_cols(0, 0, last_col);  // masks the columns past the block's keys, including any the narrow S left unwritten
-    // Block 0 moves every row's reference off -inf: no lazy test (which here only costs registers).
+    // Block 0 moves the reference of every row that sees a key off -inf (rows that see none stay at -inf under either
+    // rule): no lazy test, which here only costs registers.
     softmax.template update<false>(s, scale_log2, negate, needs_mask(0, 0), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
