@@ -240,21 +240,22 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
 @pytest.mark.parametrize(
     "causal,batch,heads,len_q,len_k",
     [
-        (False, 1, 4, 129, 1024),
-        (False, 1, 4, 129, 1025),
+        (False, 1, 4, 30, 1000),  # the second consumer's Q rows (and O) lie wholly past Lq
         (False, 1, 4, 300, 2000),
-        (True, 1, 4, 129, 8192),
-        (True, 1, 4, 129, 8193),
-        (True, 1, 4, 300, 9000),
+        (False, 4, 16, 600, 1100),  # 320 tiles: two or three per CTA, each Q part reloaded after its O left
+        (True, 1, 4, 129, 2048),
+        (True, 1, 4, 129, 2049),
+        (True, 1, 4, 300, 3000),
         (True, 2, 16, 1000, 8300),  # 256 tiles: several per CTA, taken from the counter
         (True, 1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key, whole tiles included
     ],
 )
 def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
-    # On Hopper, D256 (and the buckets it serves) takes 64-key blocks with a staged O up to 1024 keys (8192 under a
-    # causal mask) and 80-key blocks above (fwd_kernel.h: sm90_d256_staged_max_keys): both sides of each switch, and
-    # the 80-key causal kernel over several tiles per CTA and with tiles that see no key. Both kernels are correct on
-    # either side, so this checks results, not which kernel ran.
+    # On Hopper, D256 (and the buckets it serves) takes 80-key blocks, with O staged in each consumer's rows of Q
+    # (fwd_kernel.h: kOInQ), except under a causal mask up to 2048 keys (kSm90D256CausalShortKeys), where it takes
+    # 64-key blocks and an O buffer: both sides of the switch, and the 80-key kernels over several tiles per CTA, with
+    # a consumer that has no rows, and with tiles that see no key. Both kernels are correct on either side, so this
+    # checks results, not which kernel ran.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
     run_and_check(q, k, v, causal)
 

@@ -21,7 +21,8 @@
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
 //
 // Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA
-// (kOBuffers; direct 4-byte stores where no buffer fits or it does not pay); lse from registers.
+// (kOBuffers, or the consumer's own rows of Q where no buffer fits: kOInQ; direct 4-byte stores at D64 without a
+// mask, where staging does not pay); lse from registers.
 #pragma once
 
 #include <cuda.h>
@@ -42,16 +43,15 @@ namespace flashattn::sm90 {
 
 // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
 // per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). At D256 short key rows (small L_k) take 64 keys
-// instead (run_fwd_sm90), which leaves room to stage O for TMA stores (kOBuffers).
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Under a causal mask short key rows take 64 keys
+// at D256 instead (run_fwd_sm90).
 constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
   return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
 }
-// D256 takes 64-key blocks and a staged O up to this many keys: that pays while the epilogue is a large part of a
-// tile, 80-key blocks with direct stores once the key loop dominates. Measured crossovers (NOTES.md, v10 and v11):
-// without a mask +5% at 1k keys, 0-5% slower at 2k, 3% at 4k, 7-8% at 8k-16k; causal (tiles of half the keys on
-// average) +20% at 1k, +8% at 2k, equal at 8k, 3-5% slower at 16k.
-constexpr int sm90_d256_staged_max_keys(bool causal) { return causal ? 8192 : 1024; }
+// Under a causal mask D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key
+// blocks (O staged in the Q rows, kOInQ) above. Measured (NOTES.md, v13): the 80-key kernel is 2% slower at 1k keys,
+// equal at 2k and 4-5% faster from 4k; without a mask it is 6% faster already at 1k, so it runs at every length.
+inline constexpr int kSm90D256CausalShortKeys = 2048;
 
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
 // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
@@ -99,8 +99,8 @@ struct FwdTraits {
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
   // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
-  // or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks); none beside D256's
-  // 80-key blocks, which fill shared memory. Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at
+  // or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks); beside D256's
+  // 80-key blocks, which fill shared memory, the consumers' rows of Q (kOInQ). Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at
   // 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a mask at every length (ptxas then
   // schedules the three 160-register consumers' softmax worse), so direct 4-byte stores there. The three-consumer
   // causal D64 kernel (L >= 2048) stages O; not measured against direct stores.
@@ -113,6 +113,12 @@ struct FwdTraits {
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
                                                                                                : 0;
   static constexpr int kSmemBytes = kPipelineBytes + kOBuffers * kTileO * 2;  // 16-bit elements
+  // Where no staging buffer fits (D256 with 80-key blocks), each consumer stages its O in its own rows of the Q
+  // buffer, which its last S GEMM has finished reading. Q then loads in one part per consumer (64-row boxes), each
+  // once that consumer's O has left. Measured against direct stores (NOTES.md, v13): +2-7% at L 2k-16k. Not at D128
+  // without a mask, whose one shared buffer it would replace: ptxas then serialises the wgmmas (C7511).
+  static constexpr bool kOInQ = kStageO && kOBuffers == 0 && kQStages == 1;
+  static constexpr int kQParts = kOInQ ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
@@ -137,8 +143,8 @@ struct SharedStorage {
   T* k;                   // [kStages][kColumnBlocks][kBlockN][64]
   T* v;
   T* o;                   // [kOBuffers][kColumnBlocks][64][64]
-  uint64_t* q_full;       // [kQStages]
-  uint64_t* q_empty;      // [kQStages]
+  uint64_t* q_full;       // [kQStages][kQParts]
+  uint64_t* q_empty;      // [kQStages][kQParts]
   uint64_t* k_full;       // [kStages]
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -156,8 +162,8 @@ struct SharedStorage {
     v = k + Traits::kStages * Traits::kTileKV;
     o = v + Traits::kStages * Traits::kTileKV;
     q_full = reinterpret_cast<uint64_t*>(o + Traits::kOBuffers * Traits::kTileO);
-    q_empty = q_full + Traits::kQStages;
-    k_full = q_empty + Traits::kQStages;
+    q_empty = q_full + Traits::kQStages * Traits::kQParts;
+    k_full = q_empty + Traits::kQStages * Traits::kQParts;
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
@@ -346,9 +352,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const SharedStorage<T, Traits> smem(smem_raw);
   if (threadIdx.x == 0) {
     constexpr int kConsumerThreads = Traits::kConsumers * 128;
-    for (int s = 0; s < Traits::kQStages; ++s) {
+    for (int s = 0; s < Traits::kQStages * Traits::kQParts; ++s) {
       mbarrier_init(&smem.q_full[s], 1);
-      mbarrier_init(&smem.q_empty[s], kConsumerThreads);  // every consumer thread arrives after its last S GEMM
+      // Every consumer thread arrives after its last S GEMM; with kOInQ each warp of the part's consumer once its
+      // staged O has been stored.
+      mbarrier_init(&smem.q_empty[s], Traits::kOInQ ? 4 : kConsumerThreads);
     }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.k_full[s], 1);
@@ -388,12 +396,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (tile.num_n_blocks > 0) {
         const int q_stage = q_loads % Traits::kQStages;
         const int q_use = q_loads / Traits::kQStages;
-        if (q_use > 0) mbarrier_wait(&smem.q_empty[q_stage], (q_use - 1) & 1);
         ++q_loads;
-        mbarrier_arrive_expect_tx(&smem.q_full[q_stage], Traits::kTileQ * sizeof(T));
-        for (int c = 0; c < kColumnBlocks; ++c) {
-          tma_load_4d(smem.q_stage(q_stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[q_stage], 64 * c,
-                      tile.m_start, tile.head, tile.batch);
+        for (int part = 0; part < Traits::kQParts; ++part) {
+          constexpr int kPartRows = kBlockM / Traits::kQParts;
+          uint64_t* const full = &smem.q_full[q_stage * Traits::kQParts + part];
+          if (q_use > 0) mbarrier_wait(&smem.q_empty[q_stage * Traits::kQParts + part], (q_use - 1) & 1);
+          mbarrier_arrive_expect_tx(full, Traits::kTileQ / Traits::kQParts * sizeof(T));
+          for (int c = 0; c < kColumnBlocks; ++c) {
+            tma_load_4d(smem.q_stage(q_stage) + c * Traits::kSubTileQ + part * kPartRows * 64, &q_map, full, 64 * c,
+                        tile.m_start + part * kPartRows, tile.head, tile.batch);
+          }
         }
       }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
@@ -518,7 +530,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // Block 0: S only (there is no P yet).
     const int q_stage = q_loads % Traits::kQStages;
-    mbarrier_wait(&smem.q_full[q_stage], (q_loads / Traits::kQStages) & 1);
+    const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
+    mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
     ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
     mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
@@ -545,7 +558,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
-    if (num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_stage]);
+    if (!Traits::kOInQ && num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     last_cols(0, 0, last_col);  // masks the columns past the block's keys, including any the narrow S left unwritten
     // Block 0 moves the reference of every row that sees a key off -inf (rows that see none stay at -inf under either
     // rule): no lazy test, which here only costs registers.
@@ -566,7 +579,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
       mbarrier_arrive(&smem.k_empty[stage]);
-      if (n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_stage]);  // the producer may reuse it
+      if (!Traits::kOInQ && n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);  // free for reuse
       last_cols(n_block, n_start, last_col);
       const bool moved = softmax.template update<Traits::kLazyRescale>(
           s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
@@ -606,20 +619,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
-    if constexpr (Traits::kOBuffers > 0) {
+    if constexpr (Traits::kOBuffers > 0 || Traits::kOInQ) {
       // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
-      // reads, and its lane 0 stores them with TMA. A shared buffer goes round the consumers in order.
-      const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
-      const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
-      ++o_stores;
-      if (use > 0) mbarrier_wait(&smem.o_free[buffer], (use - 1) & 1);
-      T* const warp_rows = smem.o_buffer(buffer) + warp * 16 * 64;  // in each 64-column sub-tile
+      // reads, and its lane 0 stores them with TMA. A shared buffer goes round the consumers in order; with kOInQ
+      // the buffer is this consumer's rows of Q, handed back to the producer once stored.
+      constexpr int kSubTile = Traits::kOInQ ? Traits::kSubTileQ : Traits::kSubTileO;  // between 64-column sub-tiles
+      T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
+      uint64_t* released = &smem.q_empty[q_barrier];
+      if constexpr (!Traits::kOInQ) {
+        const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
+        const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
+        ++o_stores;
+        if (use > 0) mbarrier_wait(&smem.o_free[buffer], (use - 1) & 1);
+        staging = smem.o_buffer(buffer);
+        released = &smem.o_free[buffer];
+      }
+      T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
       const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
         const int chunk = j + matrix / 2;
-        T* const dst = warp_rows + (chunk / 8) * Traits::kSubTileO + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+        T* const dst = warp_rows + (chunk / 8) * kSubTile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
         stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
                     sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
                     sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
@@ -633,13 +654,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
           for (int c = 0; c < kColumnBlocks; ++c) {
             if (64 * c < p.head_dim) {
-              tma_store_4d(&o_map, warp_rows + c * Traits::kSubTileO, 64 * c, first_row, tile.head, tile.batch);
+              tma_store_4d(&o_map, warp_rows + c * kSubTile, 64 * c, first_row, tile.head, tile.batch);
             }
           }
         }
         bulk_commit_group();
         bulk_wait_group_read<0>();  // the buffer may be written again
-        mbarrier_arrive(&smem.o_free[buffer]);
+        mbarrier_arrive(released);
       }
     } else {
       // Direct 4-byte stores (rows past Lq and columns past D skipped).
@@ -670,11 +691,11 @@ template <typename T, typename Traits, bool kCausal>
 cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map, o_map{};
-  if (!make_qkv_maps(params, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map)) {
+  if (!make_qkv_maps(params, kBf16, Traits::kBlockM / Traits::kQParts, Traits::kBlockN, &q_map, &k_map, &v_map)) {
     return cudaErrorNotSupported;
   }
   // O in boxes of one warp's 16 rows (the output is ours, contiguous: the driver takes it).
-  if (Traits::kOBuffers > 0 &&
+  if ((Traits::kOBuffers > 0 || Traits::kOInQ) &&
       !make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
                      params.o_batch_stride, params.o_head_stride, params.o_row_stride, 16)) {
     return cudaErrorNotSupported;
@@ -708,9 +729,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 // sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  if constexpr (HeadDim == 256) {
-    if (params.len_k <= sm90_d256_staged_max_keys(kCausal)) {
-      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+  if constexpr (HeadDim == 256 && kCausal) {
+    if (params.len_k <= kSm90D256CausalShortKeys) {
+      return launch_fwd_sm90<T, FwdTraits<256, true, 64>, kCausal>(params, stream);
     }
   }
   if constexpr (HeadDim == 64 && kCausal) {
