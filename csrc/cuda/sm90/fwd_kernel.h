@@ -4,7 +4,7 @@
 //
 // Persistent grid: one CTA per SM (a few SMs fewer for the causal zigzag schedule, launch.h) walks the output tiles
 // (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the producer: one
-// thread loads each tile's Q and its K/V blocks into a 2-stage ring with TMA (128-byte swizzle; rows past L and
+// thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle; rows past L and
 // columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
 // 2). Each Q buffer and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
 // consumer done with it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
@@ -43,15 +43,16 @@ namespace flashattn::sm90 {
 
 // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
 // per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Under a causal mask short key rows take 64 keys
-// at D256 instead (run_fwd_sm90).
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short key rows take 64 keys at D256 instead
+// (run_fwd_sm90).
 constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
   return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
 }
-// Under a causal mask D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key
-// blocks (O staged in the Q rows, kOInQ) above. Measured (NOTES.md, v13): the 80-key kernel is 2% slower at 1k keys,
-// equal at 2k and 4-5% faster from 4k; without a mask it is 6% faster already at 1k, so it runs at every length.
-inline constexpr int kSm90D256CausalShortKeys = 2048;
+// D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key blocks (O staged in
+// the Q rows, kOInQ) above. Measured (NOTES.md, v13), the 80-key kernel against the 64-key one: under a causal mask
+// 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k; without a mask 9% slower at 512 keys, -1% and +6% at 1k
+// (two calls), 3-8% faster from 2k.
+constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
 
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
 // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
@@ -70,7 +71,11 @@ struct FwdTraits {
   // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
-  static constexpr int kStages = 2;
+  // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
+  // with two consumers (L < 2048): +2-4% at L 512-1k (NOTES.md, v13). A third stage measured neutral in the
+  // three-consumer causal D64 kernel, 1-2% slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128 causal
+  // up to L1k (there with O staged in the Q rows to make room).
+  static constexpr int kStages = HeadDim == 64 && Causal && Consumers == 2 ? 3 : 2;
   // Without a mask the partial key block (L_k mod kBlockN keys) goes first, where its S = Q K^T is computed only as
   // wide as it needs (64 or 128 columns of the 176: an N = 64 or 128 accumulator is a prefix of the N = 176 one);
   // every later block is full and unmasked. Only where the blocks are wider than 128 keys.
@@ -729,9 +734,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 // sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  if constexpr (HeadDim == 256 && kCausal) {
-    if (params.len_k <= kSm90D256CausalShortKeys) {
-      return launch_fwd_sm90<T, FwdTraits<256, true, 64>, kCausal>(params, stream);
+  if constexpr (HeadDim == 256) {
+    if (params.len_k <= sm90_d256_short_max_keys(kCausal)) {
+      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
     }
   }
   if constexpr (HeadDim == 64 && kCausal) {
