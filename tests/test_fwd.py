@@ -240,9 +240,9 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
 @pytest.mark.parametrize(
     "causal,batch,heads,len_q,len_k",
     [
-        (False, 1, 4, 129, 512),
-        (False, 1, 4, 129, 513),
-        (False, 1, 4, 30, 1000),  # the second consumer's Q rows (and O) lie wholly past Lq
+        (False, 1, 4, 129, 1024),
+        (False, 1, 4, 129, 1025),
+        (False, 1, 4, 30, 1100),  # the second consumer's Q rows (and O) lie wholly past Lq
         (False, 1, 4, 300, 2000),
         (False, 4, 16, 600, 1100),  # 320 tiles: two or three per CTA, each Q part reloaded after its O left
         (True, 1, 4, 129, 2048),
@@ -253,7 +253,7 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
     ],
 )
 def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
-    # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 512 keys (2048 under a
+    # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 1024 keys (2048 under a
     # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks with O staged in each consumer's rows of Q
     # above (kOInQ): both sides of each switch, and the 80-key kernels over several tiles per CTA, with a consumer
     # that has no rows, and with tiles that see no key. Both kernels are correct on either side, so this

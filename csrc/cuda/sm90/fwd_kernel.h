@@ -50,9 +50,9 @@ constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
 }
 // D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key blocks (O staged in
 // the Q rows, kOInQ) above. Measured (NOTES.md, v13), the 80-key kernel against the 64-key one: under a causal mask
-// 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k; without a mask 9% slower at 512 keys, -1% and +6% at 1k
-// (two calls), 3-8% faster from 2k.
-constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
+// 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k; without a mask 9% slower at 512 keys, 3% at 768, -2% to
+// +6% at 1k (three calls), 3-8% faster from 2k.
+constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 1024; }
 
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
 // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
