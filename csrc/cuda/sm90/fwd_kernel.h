@@ -103,12 +103,12 @@ struct FwdTraits {
   static constexpr int kTileO = 64 * HeadDim;  // one consumer's rows of O
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
-  // clips rows past Lq and columns past D) where a staging buffer fits beside Q and the K/V ring: one per consumer,
-  // or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks); beside D256's
-  // 80-key blocks, which fill shared memory, the consumers' rows of Q (kOInQ). Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at
-  // 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a mask at every length (ptxas then
-  // schedules the three 160-register consumers' softmax worse), so direct 4-byte stores there. The three-consumer
-  // causal D64 kernel (L >= 2048) stages O; not measured against direct stores.
+  // clips rows past Lq and columns past D): through a staging buffer beside Q and the K/V ring, one per consumer or
+  // one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks), or through the
+  // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10
+  // and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a
+  // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
+  // stores there. The three-consumer causal D64 kernel (L >= 2048) stages O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
