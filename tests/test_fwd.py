@@ -248,17 +248,19 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
         (True, 1, 4, 129, 2048),
         (True, 1, 4, 129, 2049),
         (True, 1, 4, 300, 3000),
-        (True, 2, 16, 1000, 8300),  # 256 tiles: several per CTA, taken from the counter
-        (True, 1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key, whole tiles included
+        (True, 2, 16, 1000, 8300),  # 256 tiles: two zigzag rounds per CTA
+        (True, 1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key
+        (True, 2, 16, 2400, 2100),  # 608 tiles from the counter; the first 300 rows (two whole tiles) see no key
     ],
 )
-def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k, dtype):
     # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 1024 keys (2048 under a
     # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks with O staged in each consumer's rows of Q
     # above (kOInQ): both sides of each switch, and the 80-key kernels over several tiles per CTA, with a consumer
     # that has no rows, and with tiles that see no key. Both kernels are correct on either side, so this
     # checks results, not which kernel ran.
-    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal)
 
 

@@ -6,8 +6,8 @@
 // (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the producer: one
 // thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle; rows past L and
 // columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
-// 2). Each Q buffer and each K and V stage have a "full" mbarrier (TMA bytes landed) and an "empty" one (every
-// consumer done with it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
+// 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a "full" mbarrier (TMA bytes
+// landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer has stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
 // launch.h's sm90_causal_block_m) each own 64 query rows and
 // run, per key block n (FlashAttention-3's intra-warpgroup overlap):
 //
@@ -72,7 +72,7 @@ struct FwdTraits {
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
   // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
-  // with two consumers (L < 2048): +2-4% at L 512-1k (NOTES.md, v13). A third stage measured neutral in the
+  // with two consumers (L_q or L_k below 2048): +2-4% at L 512-1k (NOTES.md, v13). A third stage measured neutral in the
   // three-consumer causal D64 kernel, 1-2% slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128 causal
   // up to L1k (there with O staged in the Q rows to make room).
   static constexpr int kStages = HeadDim == 64 && Causal && Consumers == 2 ? 3 : 2;
@@ -136,6 +136,8 @@ struct FwdTraits {
   // consumers that phase is the waiter's own previous use, and the ping-pong barrier (all of a consumer's threads in
   // every tile) guarantees all four of its warps arrived for it; with three it could be another consumer's pending use.
   static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
+  static_assert((2 * kQStages * kQParts + 4 * kStages + kOBuffers + 4) * 8 + 3 * 4 <= 256,
+                "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -336,7 +338,9 @@ struct Tile {
 // or, with kDynamicTiles, the producer takes the next one from params.tile_counter (or from the zigzag rounds where
 // the host passed none) and hands its index to the consumers through a 2-slot mailbox in shared memory. The producer
 // runs ahead into the next tile (its Q as soon as the consumers are done with that Q buffer, its K/V through the
-// same ring), so loads and the first GEMM of a tile overlap the epilogue of the previous one.
+// same ring), so loads and the first GEMM of a tile overlap the epilogue of the previous one. With kOInQ the Q buffer
+// is free only once each consumer has stored its O from it, and the producer loads the parts in order before the
+// next tile's K/V: a consumer that finished early waits for the others' epilogues before its next S[0].
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
