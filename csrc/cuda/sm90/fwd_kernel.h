@@ -7,9 +7,9 @@
 // thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle; rows past L and
 // columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
 // 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a "full" mbarrier (TMA bytes
-// landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer has stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
-// launch.h's sm90_causal_block_m) each own 64 query rows and
-// run, per key block n (FlashAttention-3's intra-warpgroup overlap):
+// landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer has stored its O from it).
+// The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask launch.h's
+// sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
@@ -72,9 +72,9 @@ struct FwdTraits {
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
   // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
-  // with two consumers (L_q or L_k below 2048): +2-4% at L 512-1k (NOTES.md, v13). A third stage measured neutral in the
-  // three-consumer causal D64 kernel, 1-2% slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128 causal
-  // up to L1k (there with O staged in the Q rows to make room).
+  // with two consumers (L_q or L_k below 2048): +2-4% at L 512-1k (NOTES.md, v13). A third stage measured neutral in
+  // the three-consumer causal D64 kernel, 1-2% slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128
+  // causal up to L1k (there with O staged in the Q rows to make room).
   static constexpr int kStages = HeadDim == 64 && Causal && Consumers == 2 ? 3 : 2;
   // Without a mask the partial key block (L_k mod kBlockN keys) goes first, where its S = Q K^T is computed only as
   // wide as it needs (64 or 128 columns of the 176: an N = 64 or 128 accumulator is a prefix of the N = 176 one);
@@ -634,7 +634,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // the buffer is this consumer's rows of Q, handed back to the producer once stored.
       constexpr int kSubTile = Traits::kOInQ ? Traits::kSubTileQ : Traits::kSubTileO;  // between 64-column sub-tiles
       T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
-      uint64_t* released = &smem.q_empty[q_barrier];
+      uint64_t* released = &smem.q_empty[q_barrier];  // arrived on once the TMA stores have read the staged O
       if constexpr (!Traits::kOInQ) {
         const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
         const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
