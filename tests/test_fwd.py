@@ -279,13 +279,28 @@ def test_cuda_partial_first_key_block(head_dim, len_k, dtype):
 @pytest.mark.parametrize("head_dim", [64, 40])
 @pytest.mark.parametrize(
     "len_q,len_k",
-    [(2047, 2048), (2048, 2047), (2048, 2048), (2049, 3000), (4100, 2100), (2100, 4100)],
+    [(1023, 1024), (1024, 1023), (1024, 1024), (1025, 3000), (4100, 2100), (2100, 4100)],
 )
 def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
     # Under a causal mask the Hopper forward at D64 (and the buckets it serves) takes 192-row tiles once queries and
-    # keys both reach 2048, 128-row tiles below (launch.h: sm90_causal_block_m): both sides of the switch, and 192-row
+    # keys both reach 1024, 128-row tiles below (launch.h: sm90_causal_block_m): both sides of the switch, and 192-row
     # tiles that see no key (Lq > Lk: the first 2000 rows).
     q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize(
+    "len_q,len_k", [(1030, 1030), (2048, 2048), (1100, 1037), (2900, 1500), (1500, 2900), (2200, 2500)]
+)
+def test_cuda_causal_consumer_skips(head_dim, len_q, len_k, dtype):
+    # Under a causal mask a Hopper consumer computes only the key blocks its own 64 rows see (fwd_kernel.h,
+    # kSkipUnseenBlocks: the three-consumer D64 tiles, D256's 64- and 80-key blocks), and with three consumers one
+    # whose rows all lie past Lq computes nothing (kSkipRowlessConsumers: Lq mod 192 in 1..128, as at 1030 and
+    # 2048). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys takes 80-key blocks.
+    q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=True)
 
 
@@ -328,7 +343,7 @@ def test_cuda_non_default_stream():
 
 def causal_block_m(head_dim, len_q, len_k):
     """csrc/cuda/launch.h sm90_causal_block_m: query rows per causal tile of the Hopper forward."""
-    return 192 if head_dim <= 64 and len_q >= 2048 and len_k >= 2048 else 128
+    return 192 if head_dim <= 64 and len_q >= 1024 and len_k >= 1024 else 128
 
 
 def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
@@ -357,8 +372,9 @@ def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
         (2, 12, 2100, 2100),
         (1, 16, 2100, 2500),
     ],
-    # On a 132-SM H200: zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see no key, the counter; then at
-    # D64 with 192-row tiles (11 per head), zigzag on 132 and the counter.
+    # On a 132-SM H200 with 128-row tiles (D128, D256): zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see
+    # no key, the counter; the long cases at D64 with 192-row tiles (11 per head): zigzag on 132 and the counter. (D64
+    # takes 192-row tiles in every case but no-key-tiles.)
     ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven", "long-11-blocks", "long-uneven"],
 )
 def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q, len_k):

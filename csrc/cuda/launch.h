@@ -46,11 +46,12 @@ constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 25
 // short: measured on 128 of 132 SMs (NOTES.md, v8), +1-5% at up to 64 query blocks per head (L <= 8k with 128-row
 // tiles), -1-1.5% at 128 (L16k), where the counter's per-tile costs matter less than the idle SMs.
 // Query rows per causal tile: 64 per consumer warpgroup. D64 takes three consumers (192 rows) once queries and keys
-// are long: measured +4% at L4k and +8% at 8k-16k, equal at 2k, -10% at 1k (192-row tiles mask more on the diagonal,
-// and a head's last tile is mostly empty; NOTES.md, v12). Otherwise two (128 rows). The host sizes the schedule
-// with it and the Hopper forward picks its kernel with it (fwd_kernel.h, run_fwd_sm90).
+// reach 1024: measured +1% at L1k, +5% at 1280, +6% at 2k against two (NOTES.md, v14; a consumer skips the key blocks
+// past its rows and one without rows computes nothing, so the taller tile's diagonal and a head's part-empty last
+// tile cost little; before that, in v12, it was -10% at 1k and equal at 2k). Otherwise two (128 rows). The host
+// sizes the schedule with it and the Hopper forward picks its kernel with it (fwd_kernel.h, run_fwd_sm90).
 constexpr int sm90_causal_block_m(int kernel_head_dim, int64_t len_q, int64_t len_k) {
-  return kernel_head_dim == 64 && len_q >= 2048 && len_k >= 2048 ? 192 : 128;
+  return kernel_head_dim == 64 && len_q >= 1024 && len_k >= 1024 ? 192 : 128;
 }
 constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms) {
   for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {

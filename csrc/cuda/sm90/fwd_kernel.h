@@ -80,6 +80,19 @@ struct FwdTraits {
   // wide as it needs (64 or 128 columns of the 176: an N = 64 or 128 accumulator is a prefix of the N = 176 one);
   // every later block is full and unmasked. Only where the blocks are wider than 128 keys.
   static constexpr bool kNarrowFirstBlock = !Causal && BlockN > 128;
+  // Under a causal mask a consumer stops after the last key block its 64 rows see; for the tile's later blocks it
+  // only takes its turns and releases their stages. Where the blocks are as tall as the tile (128 keys, 128 rows)
+  // every consumer sees part of every block when L_q = L_k, so they do without it (the code alone cost the
+  // two-consumer D64 kernel 2-4% at L1k). Measured (NOTES.md, v14): +1.5-2.7% in the three-consumer D64 kernel
+  // (L 2k-8k), +4% / +2% / +1% at D256 L 1k / 2k / 4k.
+  static constexpr bool kSkipUnseenBlocks = Causal && BlockN != 64 * Consumers;
+  // A consumer whose rows all lie past L_q (in a head's last tile, where L_q is not a multiple of kBlockM) computes
+  // nothing and only takes its turns and releases the buffers. With three consumers that happens at L mod 192 in
+  // 1..128, e.g. L = 1k, 2k, 4k. Measured (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in
+  // the three-consumer causal D64 kernel (the skip alone: +1.5-2.7%); without a mask (where a lone consumer's
+  // tile takes about as long as a full one) -1.5% to +0.5%. Not with a shared O buffer, whose hand-over it would
+  // have to take part in.
+  static constexpr bool kSkipRowlessConsumers = Causal && Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
   // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
@@ -136,6 +149,7 @@ struct FwdTraits {
   // consumers that phase is the waiter's own previous use, and the ping-pong barrier (all of a consumer's threads in
   // every tile) guarantees all four of its warps arrived for it; with three it could be another consumer's pending use.
   static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
+  static_assert(!kSkipRowlessConsumers || kOBuffers != 1, "a consumer without rows skips the O buffer's hand-over");
   static_assert((2 * kQStages * kQParts + 4 * kStages + kOBuffers + 4) * 8 + 3 * 4 <= 256,
                 "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
@@ -508,6 +522,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int row = tile.m_start + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
       continue;
     }
+    const int num_n_blocks = tile.num_n_blocks;
+    const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
+    const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
+    // The tile's blocks n_first .. num_n_blocks - 1 without computing them: their turns, and their stages released
+    // once loaded (an arrival before the load could count towards the stage's previous use, which another consumer
+    // may still be reading).
+    const auto pass_blocks = [&](int n_first) {
+      for (int n_block = n_first; n_block < num_n_blocks; ++n_block) {
+        const int stage = stage_of(n_block);
+        wait_turn();
+        pass_turn();
+        mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
+        mbarrier_arrive(&smem.k_empty[stage]);
+        mbarrier_wait(&smem.v_full[stage], parity_of(n_block));
+        mbarrier_arrive(&smem.v_empty[stage]);
+      }
+    };
+    if constexpr (Traits::kSkipRowlessConsumers) {
+      if (tile.m_start + 64 * consumer >= p.len_q) {  // no row of this consumer: Q released once loaded, no O
+        const int q_stage = q_loads % Traits::kQStages;
+        const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
+        mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
+        ++q_loads;
+        if (!Traits::kOInQ || lane == 0) mbarrier_arrive(&smem.q_empty[q_barrier]);
+        pass_blocks(0);
+        kv_loads += num_n_blocks;
+        continue;
+      }
+    }
 
     // Mask needed: the block has fewer than kBlockN keys (it reaches past L_k, or with kNarrowFirstBlock it is the
     // partial block 0), or (causal) it reaches past the diagonal of the tile's first row.
@@ -524,9 +567,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         last_col[h] = last - n_start - 2 * (lane % 4);
       }
     };
-    const int num_n_blocks = tile.num_n_blocks;
-    const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
-    const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
+    // Blocks 0 .. my_n_blocks - 1 are those this consumer's rows see (at least block 0, which masks rows that see no
+    // key); with kSkipUnseenBlocks it computes only those.
+    const int last_key_seen = tile.m_start + 64 * consumer + 63 + causal_shift;
+    const int my_n_blocks =
+        Traits::kSkipUnseenBlocks ? max(1, min(num_n_blocks, last_key_seen / kBlockN + 1)) : num_n_blocks;
 
     float o[kHeadDim / 2];
 #pragma unroll
@@ -567,14 +612,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(0)]);
-    if (!Traits::kOInQ && num_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
+    if (!Traits::kOInQ && my_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     last_cols(0, 0, last_col);  // masks the columns past the block's keys, including any the narrow S left unwritten
     // Block 0 moves the reference of every row that sees a key off -inf (rows that see none stay at -inf under either
     // rule): no lazy test, which here only costs registers.
     softmax.template update<false>(s, scale_log2, negate, needs_mask(0, 0), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
-    for (int n_block = 1; n_block < num_n_blocks; ++n_block) {
+    for (int n_block = 1; n_block < my_n_blocks; ++n_block) {
       const int stage = stage_of(n_block);
       const int prev = stage_of(n_block - 1);
       const int n_start = tile.key_start(n_block, p);
@@ -588,7 +633,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
       mbarrier_arrive(&smem.k_empty[stage]);
-      if (!Traits::kOInQ && n_block == num_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);  // free for reuse
+      if (!Traits::kOInQ && n_block == my_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);  // free for reuse
       last_cols(n_block, n_start, last_col);
       const bool moved = softmax.template update<Traits::kLazyRescale>(
           s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
@@ -605,9 +650,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 
     // The last P V.
-    const int last = stage_of(num_n_blocks - 1);
-    mbarrier_wait(&smem.v_full[last], parity_of(num_n_blocks - 1));
+    const int last = stage_of(my_n_blocks - 1);
+    mbarrier_wait(&smem.v_full[last], parity_of(my_n_blocks - 1));
     issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
+    if constexpr (Traits::kSkipUnseenBlocks) pass_blocks(my_n_blocks);  // the blocks past this consumer's rows
     wgmma_wait<0>();
     wgmma_fence_registers(o);
     mbarrier_arrive(&smem.v_empty[last]);
