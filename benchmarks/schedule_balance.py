@@ -15,7 +15,7 @@ choose schedules before spending GPU time.
 import argparse
 import itertools
 
-BLOCK_M = 128  # the causal tile height at D128/D256 and at D64 below 2048 rows (launch.h: sm90_causal_block_m)
+BLOCK_M = 128  # the causal tile height at D128/D256 and at D64 below 1024 rows (launch.h: sm90_causal_block_m)
 BLOCK_N = {64: 128, 128: 128, 256: 64}  # causal key blocks of FwdTraits (D256: 80 above 2048 keys, not modelled)
 
 

@@ -293,14 +293,17 @@ def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize(
-    "len_q,len_k", [(1030, 1030), (2048, 2048), (1100, 1037), (2900, 1500), (1500, 2900), (2200, 2500)]
+    "batch,heads,len_q,len_k",
+    [(1, 4, 1030, 1030), (1, 4, 2048, 2048), (1, 4, 1100, 1037), (1, 4, 2900, 1500), (1, 4, 1500, 2900),
+     (1, 4, 2200, 2500), (2, 16, 2048, 2048), (2, 16, 1030, 2200)],
 )
-def test_cuda_causal_consumer_skips(head_dim, len_q, len_k, dtype):
+def test_cuda_causal_consumer_skips(head_dim, batch, heads, len_q, len_k, dtype):
     # Under a causal mask a Hopper consumer computes only the key blocks its own 64 rows see (fwd_kernel.h,
     # kSkipUnseenBlocks: the three-consumer D64 tiles, D256's 64- and 80-key blocks), and with three consumers one
-    # whose rows all lie past Lq computes nothing (kSkipRowlessConsumers: Lq mod 192 in 1..128, as at 1030 and
-    # 2048). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys takes 80-key blocks.
-    q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, dtype, "cuda")
+    # whose rows all lie past Lq computes nothing (kSkipRowlessConsumers: Lq mod 192 in 1..128, as at 1030, 2048
+    # and 2900). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys takes 80-key blocks. The 2 x 16
+    # heads run several tiles per CTA, so the pipeline counts carry across tiles with skipped blocks and rows.
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=True)
 
 
@@ -373,8 +376,8 @@ def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
         (1, 16, 2100, 2500),
     ],
     # On a 132-SM H200 with 128-row tiles (D128, D256): zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see
-    # no key, the counter; the long cases at D64 with 192-row tiles (11 per head): zigzag on 132 and the counter. (D64
-    # takes 192-row tiles in every case but no-key-tiles.)
+    # no key, the counter. D64 takes 192-row tiles in every case but no-key-tiles: the counter in the first four (in
+    # 8-blocks each head's last tile has two consumers without rows), zigzag on 132 in long-11-blocks.
     ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven", "long-11-blocks", "long-uneven"],
 )
 def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q, len_k):

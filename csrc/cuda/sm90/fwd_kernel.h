@@ -72,9 +72,10 @@ struct FwdTraits {
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
   // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
-  // with two consumers (L_q or L_k below 2048): +2-4% at L 512-1k (NOTES.md, v13). A third stage measured neutral in
-  // the three-consumer causal D64 kernel, 1-2% slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128
-  // causal up to L1k (there with O staged in the Q rows to make room).
+  // with two consumers (L_q or L_k below 1024): +2-4% at L 512-1k (NOTES.md, v13, when L1k still took two
+  // consumers). A third stage measured neutral in the three-consumer causal D64 kernel (v13 and v14, L 1k-4k), 1-2%
+  // slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128 causal up to L1k (there with O staged in the Q
+  // rows to make room).
   static constexpr int kStages = HeadDim == 64 && Causal && Consumers == 2 ? 3 : 2;
   // Without a mask the partial key block (L_k mod kBlockN keys) goes first, where its S = Q K^T is computed only as
   // wide as it needs (64 or 128 columns of the 176: an N = 64 or 128 accumulator is a prefix of the N = 176 one);
@@ -85,7 +86,7 @@ struct FwdTraits {
   // every consumer sees part of every block when L_q = L_k, so they do without it (the code alone cost the
   // two-consumer D64 kernel 2-4% at L1k). Measured (NOTES.md, v14): +1.5-2.7% in the three-consumer D64 kernel
   // (L 2k-8k), +4% / +2% / +1% at D256 L 1k / 2k / 4k.
-  static constexpr bool kSkipUnseenBlocks = Causal && BlockN != 64 * Consumers;
+  static constexpr bool kSkipUnseenBlocks = Causal && kBlockN != kBlockM;
   // A consumer whose rows all lie past L_q (in a head's last tile, where L_q is not a multiple of kBlockM) computes
   // nothing and only takes its turns and releases the buffers. With three consumers that happens at L mod 192 in
   // 1..128, e.g. L = 1k, 2k, 4k. Measured (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in
@@ -104,8 +105,8 @@ struct FwdTraits {
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
   // Rescale O only on blocks where a row's reference max moved (RowSoftmax::update, kLazy). Measured (NOTES.md, v12):
-  // +2-6% at D256, +0-3% at D64 with three consumers; neutral at D128 causal, 4% slower at D64 causal L1k (two
-  // consumers).
+  // +2-6% at D256, +0-3% at D64 with three consumers; neutral at D128 causal, 4% slower in the two-consumer causal
+  // D64 kernel (at L1k, which it then ran).
   static constexpr bool kLazyRescale = HeadDim == 256 || kConsumers == 3;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
@@ -121,7 +122,7 @@ struct FwdTraits {
   // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10
   // and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a
   // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
-  // stores there. The three-consumer causal D64 kernel (L >= 2048) stages O; not measured against direct stores.
+  // stores there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
@@ -150,6 +151,10 @@ struct FwdTraits {
   // every tile) guarantees all four of its warps arrived for it; with three it could be another consumer's pending use.
   static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
   static_assert(!kSkipRowlessConsumers || kOBuffers != 1, "a consumer without rows skips the O buffer's hand-over");
+  // A consumer's rows end kBlockM - 64 keys before its tile's, so it skips at most this many blocks. It passes them
+  // before it releases its last V stage: were that many to reach its last stage again, that load would wait for it.
+  static_assert(!kSkipUnseenBlocks || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
+                "a consumer would skip as many key blocks as there are stages");
   static_assert((2 * kQStages * kQParts + 4 * kStages + kOBuffers + 4) * 8 + 3 * 4 <= 256,
                 "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
@@ -377,8 +382,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kConsumerThreads = Traits::kConsumers * 128;
     for (int s = 0; s < Traits::kQStages * Traits::kQParts; ++s) {
       mbarrier_init(&smem.q_full[s], 1);
-      // Every consumer thread arrives after its last S GEMM; with kOInQ each warp of the part's consumer once its
-      // staged O has been stored.
+      // Every consumer thread arrives after its last S GEMM (one without rows, once Q has landed); with kOInQ each
+      // warp of the part's consumer once its staged O has been stored.
       mbarrier_init(&smem.q_empty[s], Traits::kOInQ ? 4 : kConsumerThreads);
     }
     for (int s = 0; s < kStages; ++s) {
@@ -472,12 +477,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int lane = threadIdx.x % 32;
   const int row_in_block0 = 64 * consumer + 16 * warp + lane / 4;  // + 8 for the second row of the thread
 
-  // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the next one go (round
-  // robin). All see the same blocks, so all take the same number of turns. Consumer 0 goes first (the last
-  // consumer's arrival opens it). The turns run on from tile to tile rather than restarting with consumer 0 in each,
-  // so a consumer that has finished its epilogue starts the next tile while the others still store theirs
-  // (NOTES.md: +1-5% at D64/D128 in v7, +1-5% at D256 causal once the indices were warp-uniform in v11). Consumer 0
-  // takes up the last consumer's final hand-over after its last tile, so no arrival is left over when the CTA ends.
+  // Ping-pong: consumer c waits on barrier 1 + c before issuing its GEMMs and then lets the next one go (round robin).
+  // Every consumer takes one turn per key block of the tile, including the blocks it skips (pass_blocks), so all take
+  // the same number of turns. Consumer 0 goes first (the last consumer's arrival opens it). The turns run on from tile
+  // to tile rather than restarting with consumer 0 in each, so a consumer that has finished its epilogue starts the
+  // next tile while the others still store theirs (NOTES.md: +1-5% at D64/D128 in v7, +1-5% at D256 causal once the
+  // indices were warp-uniform in v11). Consumer 0 takes up the last consumer's final hand-over after its last tile, so
+  // no arrival is left over when the CTA ends.
   constexpr int kLastConsumer = Traits::kConsumers - 1;
   const auto wait_turn = [&] {
     if constexpr (Traits::kPingPong) named_barrier_sync(1 + consumer, 256);
