@@ -376,8 +376,9 @@ def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
         (1, 16, 2100, 2500),
     ],
     # On a 132-SM H200 with 128-row tiles (D128, D256): zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see
-    # no key, the counter. D64 takes 192-row tiles in every case but no-key-tiles: the counter in the first four (in
-    # 8-blocks each head's last tile has two consumers without rows), zigzag on 132 in long-11-blocks.
+    # no key, the counter. D64 takes 192-row tiles in every case but no-key-tiles: the counter in 8-blocks (each
+    # head's last tile has two consumers without rows), 11-blocks and long-uneven, zigzag on 132 in uneven and
+    # long-11-blocks.
     ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven", "long-11-blocks", "long-uneven"],
 )
 def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q, len_k):
