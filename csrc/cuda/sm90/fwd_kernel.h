@@ -18,7 +18,8 @@
 //     wait for P V; rescale O (only where a row's max moved, with kLazyRescale); pack P[n]
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
-// warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
+// warpgroup's softmax runs while another's GEMMs keep the tensor cores busy. Under a causal mask a consumer computes
+// only the key blocks its own rows see (kSkipUnseenBlocks, kSkipRowlessConsumers) and takes empty turns for the rest.
 //
 // Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA
 // (kOBuffers, or the consumer's own rows of Q where no buffer fits: kOInQ; direct 4-byte stores at D64 without a
