@@ -6,6 +6,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <numeric>  // std::gcd
+
 #include "cuda/params.h"
 
 namespace flashattn {
@@ -63,6 +66,38 @@ constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, i
   }
   return 0;
 }
+
+// The Hopper forward's schedule without a mask: CTA c takes the tiles c, c + grid, c + 2 grid, ... (the query block
+// fastest). A head's last tile is short where only some of its consumers have rows and the others compute nothing
+// (three consumers at L_q mod 192 in 1..128: fwd_kernel.h, kSkipRowlessConsumers). On a grid that shares a factor
+// with the query blocks per head, those tiles stay on a few CTAs: on 132 SMs at L 1k (6 blocks), 2k (11) and 4k (22)
+// each CTA gets the same query block of every head, and the CTAs with the short ones idle while the rest carry full
+// tiles to the end. A grid coprime to the query blocks walks every CTA through all of them, so one with n tiles has
+// at least n / num_m_blocks short ones. This returns the grid within 1/32 below the SM count whose busiest CTA does
+// the least work, counting a tile's consumers with rows (all `consumers`, or `short_tile_consumers` in a head's last
+// tile); the SM count on a tie.
+constexpr int sm90_static_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms, int consumers,
+                               int short_tile_consumers) {
+  int best = num_sms;
+  int64_t least_work = -1;
+  for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {
+    const int64_t tiles = (num_tiles + size - 1) / size;  // the busiest CTA's
+    const bool walks_all_blocks = std::gcd(static_cast<int64_t>(size), num_m_blocks) == 1;
+    const int64_t short_tiles = walks_all_blocks ? tiles / num_m_blocks : 0;  // at least
+    const int64_t work = tiles * consumers - short_tiles * (consumers - short_tile_consumers);
+    if (least_work < 0 || work < least_work) {
+      least_work = work;
+      best = size;
+    }
+  }
+  return best;
+}
+// The benchmark grid's D64 shapes (tokens 16k, 32 heads, 192-row tiles) on 132 SMs:
+static_assert(sm90_static_grid(6, 3072, 132, 3, 1) == 131, "L1k: 6 query blocks, the last with one consumer's rows");
+static_assert(sm90_static_grid(11, 2816, 132, 3, 2) == 131, "L2k: 11 query blocks, the last with two");
+static_assert(sm90_static_grid(22, 2816, 132, 3, 1) == 131, "L4k: 22 query blocks, the last with one");
+static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would give one 22 tiles");
+static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>

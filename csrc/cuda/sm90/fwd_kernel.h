@@ -33,7 +33,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "cuda/launch.h"  // sm90_causal_block_m
+#include "cuda/launch.h"  // sm90_causal_block_m, sm90_static_grid
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"  // pack2, fast_exp2
 #include "cuda/sm90/ptx.h"
@@ -91,10 +91,11 @@ struct FwdTraits {
   // A consumer whose rows all lie past L_q (in a head's last tile, where L_q is not a multiple of kBlockM) computes
   // nothing and only takes its turns and releases the buffers. With three consumers that happens at L mod 192 in
   // 1..128, e.g. L = 1k, 2k, 4k. Measured (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in
-  // the three-consumer causal D64 kernel (the skip alone: +1.5-2.7%); without a mask (where a lone consumer's
-  // tile takes about as long as a full one) -1.5% to +0.5%. Not with a shared O buffer, whose hand-over it would
-  // have to take part in.
-  static constexpr bool kSkipRowlessConsumers = Causal && Consumers == 3;
+  // the three-consumer causal D64 kernel (the skip alone: +1.5-2.7%). Without a mask it pays only on a grid that
+  // spreads the short tiles over the CTAs (launch.h, sm90_static_grid; v14 measured -1.5% to +0.5% on 132 CTAs,
+  // where at L 1k and 4k each CTA gets the same query block of every head). Not with a shared O buffer, whose
+  // hand-over it would have to take part in.
+  static constexpr bool kSkipRowlessConsumers = Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
   // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
@@ -779,9 +780,17 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_tiles = num_m_blocks * params.heads * params.batch;
-  // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (chosen by flash_api).
+  // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (chosen by flash_api), or
+  // without a mask the fixed stride's grid that spreads the heads' short last tiles over the CTAs (launch.h).
   const bool zigzag = kCausal && params.tile_counter == nullptr && params.zigzag_grid > 0;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, zigzag ? params.zigzag_grid : num_sms)));
+  const int64_t last_tile_rows = params.len_q - (num_m_blocks - 1) * Traits::kBlockM;
+  const int short_tile_consumers =
+      Traits::kSkipRowlessConsumers ? static_cast<int>((last_tile_rows + 63) / 64) : Traits::kConsumers;
+  const int grid_size = zigzag    ? params.zigzag_grid
+                        : kCausal ? num_sms
+                                  : sm90_static_grid(num_m_blocks, num_tiles, num_sms, Traits::kConsumers,
+                                                     short_tile_consumers);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, grid_size)));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, o_map, params);
   return cudaGetLastError();
 }
