@@ -1,22 +1,30 @@
 """Static model of the Hopper forward's tile schedules: how evenly the persistent CTAs share the causal work.
 
-Each tile (128 query rows of one batch and head) costs its number of key blocks; a CTA's time is the sum over its
-tiles; the slowest CTA sets the kernel's time. The script replays the kernel's tile numbering (Tile in
-csrc/cuda/sm90/fwd_kernel.h) under three static schedules and prints the slowest CTA's work over the ideal
-(total work / number of SMs): 1.00 is perfect. The schedules: a fixed stride (forward v2), zigzag rounds on all
-SMs (v5), and zigzag rounds on a grid aligned to the query blocks per head (what v8 runs where the host finds such a
-grid: csrc/cuda/launch.h, sm90_causal_zigzag_grid, whose rule is stricter than zigzag_grid_size below). The counter
-schedule (the causal fallback) balances at run time and is not modelled. The
-model reproduces the measured cliffs of v2 and v5 (NOTES.md: D128 L16k, D256 L8k and L16k), so it is used to
-choose schedules before spending GPU time.
+Each tile (query rows of one batch and head: 192 at D64 from 1024 rows, else 128, as launch.h's
+sm90_causal_block_m) costs its number of key blocks; a CTA's time is the sum over its tiles; the slowest CTA sets the
+kernel's time. The script replays the kernel's tile numbering (Tile in csrc/cuda/sm90/fwd_kernel.h) under the
+schedules and prints the slowest CTA's work over the ideal (total work / number of SMs): 1.00 is perfect. The static
+ones: a fixed stride (forward v2), zigzag rounds on all SMs (v5), and zigzag rounds on a grid aligned to the query
+blocks per head (what v8 runs where the host finds such a grid: csrc/cuda/launch.h, sm90_causal_zigzag_grid, whose
+rule is stricter than zigzag_grid_size below). The counter (the causal fallback): each CTA takes the next tile when
+it finishes one, in head order (v8-v14), or with the last heads' tiles longest first across them (v15:
+fwd_kernel.h, counter_order). The model reproduces the measured cliffs of v2 and v5 (NOTES.md: D128 L16k, D256 L8k
+and L16k) and the counter's deficit against zigzag in head order (v13, call 8), so it is used to choose schedules
+before spending GPU time.
 
     python benchmarks/schedule_balance.py [--sms 132] [--lengths 1024,...] [--head-dims 64,128,256]
 """
 import argparse
+import heapq
 import itertools
 
-BLOCK_M = 128  # the causal tile height at D128/D256 and at D64 below 1024 rows (launch.h: sm90_causal_block_m)
 BLOCK_N = {64: 128, 128: 128, 256: 64}  # causal key blocks of FwdTraits (D256: 80 above 2048 keys, not modelled)
+COUNTER_TAIL_ROUNDS = 3  # fwd_kernel.h, kCounterTailRounds
+
+
+def block_m(head_dim: int, length: int) -> int:
+    """launch.h sm90_causal_block_m (queries = keys = length)."""
+    return 192 if head_dim == 64 and length >= 1024 else 128
 
 
 def zigzag_grid_size(num_m_blocks: int, num_sms: int) -> int:
@@ -29,10 +37,28 @@ def zigzag_grid_size(num_m_blocks: int, num_sms: int) -> int:
     return num_sms
 
 
-def tile_work(index: int, num_m_blocks: int, length: int, block_n: int) -> int:
+def tile_work(index: int, num_m_blocks: int, length: int, rows: int, block_n: int) -> int:
     m_block = num_m_blocks - 1 - index % num_m_blocks  # causal: each head's longest rows first
-    m_end = min((m_block + 1) * BLOCK_M, length)
+    m_end = min((m_block + 1) * rows, length)
     return -(-m_end // block_n)  # key blocks up to the diagonal (Lq == Lk)
+
+
+def counter_order(n: int, num_m_blocks: int, num_tiles: int, tail_heads: int) -> int:
+    """fwd_kernel.h counter_order: the n-th tile the counter hands out."""
+    tail_start = num_tiles - tail_heads * num_m_blocks
+    if n < tail_start:
+        return n
+    r = n - tail_start
+    return tail_start + (r % tail_heads) * num_m_blocks + r // tail_heads
+
+
+def counter_over_ideal(num_tiles: int, num_m_blocks: int, tail: bool, work, num_sms: int) -> float:
+    ctas = min(num_tiles, num_sms)
+    tail_heads = min(num_tiles // num_m_blocks, -(-COUNTER_TAIL_ROUNDS * ctas // num_m_blocks)) if tail else 0
+    finish = [0] * ctas  # each CTA takes the next tile as it finishes one
+    for n in range(num_tiles):
+        heapq.heapreplace(finish, finish[0] + work(counter_order(n, num_m_blocks, num_tiles, tail_heads)))
+    return max(finish) / (sum(work(i) for i in range(num_tiles)) / num_sms)
 
 
 def slowest_over_ideal(num_tiles: int, ctas: int, zigzag: bool, work, num_sms: int) -> float:
@@ -55,19 +81,23 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384, help="B * L, as in bench_sdpa.py")
     parser.add_argument("--hidden", type=int, default=2048, help="H * D, as in bench_sdpa.py")
     args = parser.parse_args()
-    print("causal, slowest CTA's work / ideal: stride | zigzag on all SMs | zigzag on the aligned grid (size)")
+    print("causal, slowest CTA's work / ideal: stride | zigzag on all SMs | zigzag on the aligned grid (size) | "
+          "counter in head order | counter ending longest first")
     for head_dim in map(int, args.head_dims.split(",")):
         for length in map(int, args.lengths.split(",")):
             batch, heads = max(1, args.tokens // length), args.hidden // head_dim
-            num_m_blocks = -(-length // BLOCK_M)
+            rows = block_m(head_dim, length)
+            num_m_blocks = -(-length // rows)
             num_tiles = num_m_blocks * heads * batch
-            work = lambda index: tile_work(index, num_m_blocks, length, BLOCK_N[head_dim])  # noqa: E731
+            work = lambda index: tile_work(index, num_m_blocks, length, rows, BLOCK_N[head_dim])  # noqa: E731
             aligned = zigzag_grid_size(num_m_blocks, args.sms)
             row = [slowest_over_ideal(num_tiles, min(num_tiles, args.sms), False, work, args.sms),
                    slowest_over_ideal(num_tiles, min(num_tiles, args.sms), True, work, args.sms),
-                   slowest_over_ideal(num_tiles, min(num_tiles, aligned), True, work, args.sms)]
+                   slowest_over_ideal(num_tiles, min(num_tiles, aligned), True, work, args.sms),
+                   counter_over_ideal(num_tiles, num_m_blocks, False, work, args.sms),
+                   counter_over_ideal(num_tiles, num_m_blocks, True, work, args.sms)]
             print(f"D{head_dim:<4} L{length:<6} {num_m_blocks:4} query blocks/head: "
-                  f"{row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} ({aligned})")
+                  f"{row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} ({aligned}) | {row[3]:.3f} | {row[4]:.3f}")
 
 
 if __name__ == "__main__":
