@@ -46,7 +46,7 @@ def tile_work(index: int, num_m_blocks: int, length: int, rows: int, block_n: in
 def counter_order(n: int, num_m_blocks: int, num_tiles: int, tail_heads: int) -> int:
     """fwd_kernel.h counter_order: the n-th tile the counter hands out."""
     tail_start = num_tiles - tail_heads * num_m_blocks
-    if n < tail_start:
+    if n < tail_start or n >= num_tiles:
         return n
     r = n - tail_start
     return tail_start + (r % tail_heads) * num_m_blocks + r // tail_heads
@@ -82,7 +82,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048, help="H * D, as in bench_sdpa.py")
     args = parser.parse_args()
     print("causal, slowest CTA's work / ideal: stride | zigzag on all SMs | zigzag on the aligned grid (size) | "
-          "counter in head order | counter ending longest first")
+          "counter in head order | counter with a longest-first tail")
     for head_dim in map(int, args.head_dims.split(",")):
         for length in map(int, args.lengths.split(",")):
             batch, heads = max(1, args.tokens // length), args.hidden // head_dim

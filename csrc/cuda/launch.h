@@ -73,15 +73,20 @@ constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, i
 // with the query blocks per head, those tiles stay on a few CTAs: on 132 SMs at L 1k (6 blocks), 2k (11) and 4k (22)
 // each CTA gets the same query block of every head, and the CTAs with the short ones idle while the rest carry full
 // tiles to the end. A grid coprime to the query blocks walks every CTA through all of them, so one with n tiles has
-// at least n / num_m_blocks short ones. This returns the grid within 1/32 below the SM count whose busiest CTA does
-// the least work, counting a tile's consumers with rows (all `consumers`, or `short_tile_consumers` in a head's last
-// tile); the SM count on a tie.
+// at least n / num_m_blocks short ones. This returns the grid within 1/32 below the SM count that gives no CTA more
+// tiles than the SM count does and whose busiest CTA has the least work, as an upper bound: tiles times `consumers`,
+// less the short tiles it surely gets times the consumers that skip in them (`short_tile_consumers` compute there).
+// A lone consumer's tile costs more than its share (0.65 of a full one, NOTES.md v15), so a grid that adds a tile to
+// the busiest CTA is not taken for short tiles it spreads. The SM count on a tie.
 constexpr int sm90_static_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms, int consumers,
                                int short_tile_consumers) {
+  if (num_m_blocks <= 0 || num_tiles <= 0) return num_sms;
+  const int64_t most_tiles = (num_tiles + num_sms - 1) / num_sms;  // the busiest CTA's on num_sms CTAs
   int best = num_sms;
   int64_t least_work = -1;
   for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {
     const int64_t tiles = (num_tiles + size - 1) / size;  // the busiest CTA's
+    if (tiles > most_tiles) break;                         // fewer CTAs only add tiles from here on
     const bool walks_all_blocks = std::gcd(static_cast<int64_t>(size), num_m_blocks) == 1;
     const int64_t short_tiles = walks_all_blocks ? tiles / num_m_blocks : 0;  // at least
     const int64_t work = tiles * consumers - short_tiles * (consumers - short_tile_consumers);

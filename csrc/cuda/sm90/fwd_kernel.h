@@ -2,7 +2,8 @@
 // the smallest that holds it); the default on sm_90 (FLASHATTN_FWD_SM90=0 selects the sm80 kernel).
 // tests/test_sm90_primitives.py checks its parts one by one; benchmarks/NOTES.md logs each version's figures.
 //
-// Persistent grid: one CTA per SM (a few SMs fewer for the causal zigzag schedule, launch.h) walks the output tiles
+// Persistent grid: one CTA per SM (a few fewer for the causal zigzag and for the stride without a mask, launch.h) walks
+// the output tiles
 // (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the producer: one
 // thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle; rows past L and
 // columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
@@ -19,7 +20,8 @@
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy. Under a causal mask a consumer computes
-// only the key blocks its own rows see (kSkipUnseenBlocks, kSkipRowlessConsumers) and takes empty turns for the rest.
+// only the key blocks its own rows see (kSkipUnseenBlocks); with three consumers one without rows computes nothing
+// (kSkipRowlessConsumers); both take empty turns for the blocks they skip.
 //
 // Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA
 // (kOBuffers, or the consumer's own rows of Q where no buffer fits: kOInQ; direct 4-byte stores at D64 without a
@@ -92,9 +94,9 @@ struct FwdTraits {
   // nothing and only takes its turns and releases the buffers. With three consumers that happens at L mod 192 in
   // 1..128, e.g. L = 1k, 2k, 4k. Measured (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in
   // the three-consumer causal D64 kernel (the skip alone: +1.5-2.7%). Without a mask it pays only on a grid that
-  // spreads the short tiles over the CTAs (launch.h, sm90_static_grid; v14 measured -1.5% to +0.5% on 132 CTAs,
-  // where at L 1k and 4k each CTA gets the same query block of every head). Not with a shared O buffer, whose
-  // hand-over it would have to take part in.
+  // spreads the short tiles over the CTAs (launch.h, sm90_static_grid; v15: +6.1% at L1k, +0.6% / +1.8% at 2k / 4k;
+  // v14 measured -1.5% to +0.5% on 132 CTAs, where each CTA got the same query block of every head). Not with a
+  // shared O buffer, whose hand-over it would have to take part in.
   static constexpr bool kSkipRowlessConsumers = Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
@@ -369,7 +371,8 @@ __device__ __forceinline__ int counter_order(int n, int num_m_blocks, int num_ti
   return tail_start + (r % tail_heads) * num_m_blocks + r / tail_heads;  // query block r / tail_heads, longest first
 }
 
-// Persistent: one CTA per SM (or the zigzag's grid). Its first tile is blockIdx.x; then a fixed stride of gridDim.x,
+// Persistent: one CTA per SM or fewer (launch_fwd_sm90). Its first tile is blockIdx.x (with the counter,
+// counter_order(blockIdx.x)); then a fixed stride of gridDim.x,
 // or, with kDynamicTiles, the producer takes the next one from params.tile_counter (or from the zigzag rounds where
 // the host passed none) and hands its index to the consumers through a 2-slot mailbox in shared memory. The producer
 // runs ahead into the next tile (its Q as soon as the consumers are done with that Q buffer, its K/V through the
@@ -479,7 +482,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       // Next tile. Without a mask: a fixed stride. Causal with a counter: take the next tile once this one is
       // issued (each head's longest rows come first, so this is longest-first within a head, and the CTAs at work
-      // stay on neighbouring heads). Causal without one: the next zigzag round (launch.h).
+      // stay on neighbouring heads; the last tail_heads heads longest first across them, counter_order). Causal
+      // without one: the next zigzag round (launch.h).
       if (!Traits::kDynamicTiles) {
         index += gridDim.x;
       } else if (p.tile_counter != nullptr) {
@@ -803,13 +807,14 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   // Persistent: one CTA per SM, or under a causal mask without a counter the zigzag's grid (chosen by flash_api), or
   // without a mask the fixed stride's grid that spreads the heads' short last tiles over the CTAs (launch.h).
   const bool zigzag = kCausal && params.tile_counter == nullptr && params.zigzag_grid > 0;
-  const int64_t last_tile_rows = params.len_q - (num_m_blocks - 1) * Traits::kBlockM;
-  const int short_tile_consumers =
-      Traits::kSkipRowlessConsumers ? static_cast<int>((last_tile_rows + 63) / 64) : Traits::kConsumers;
-  const int grid_size = zigzag    ? params.zigzag_grid
-                        : kCausal ? num_sms
-                                  : sm90_static_grid(num_m_blocks, num_tiles, num_sms, Traits::kConsumers,
-                                                     short_tile_consumers);
+  int grid_size = zigzag ? params.zigzag_grid : num_sms;
+  if (!kCausal) {
+    // The consumers that compute in a head's last tile (all of them where none skips for want of rows).
+    const int64_t last_tile_rows = params.len_q - (num_m_blocks - 1) * Traits::kBlockM;
+    const int short_tile_consumers =
+        Traits::kSkipRowlessConsumers ? static_cast<int>((last_tile_rows + 63) / 64) : Traits::kConsumers;
+    grid_size = sm90_static_grid(num_m_blocks, num_tiles, num_sms, Traits::kConsumers, short_tile_consumers);
+  }
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(num_tiles, grid_size)));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, o_map, params);
   return cudaGetLastError();
