@@ -3,14 +3,14 @@
 // tests/test_sm90_primitives.py checks its parts one by one; benchmarks/NOTES.md logs each version's figures.
 //
 // Persistent grid: one CTA per SM (a few fewer for the causal zigzag and for the stride without a mask, launch.h) walks
-// the output tiles
-// (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the producer: one
-// thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle; rows past L and
-// columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer where kQStages =
-// 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a "full" mbarrier (TMA bytes
-// landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer has stored its O from it).
-// The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask launch.h's
-// sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup overlap):
+// the output tiles (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the
+// producer: one thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle;
+// rows past L and columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer
+// where kQStages = 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a "full"
+// mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer has
+// stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
+// launch.h's sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
+// overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
@@ -372,13 +372,13 @@ __device__ __forceinline__ int counter_order(int n, int num_m_blocks, int num_ti
 }
 
 // Persistent: one CTA per SM or fewer (launch_fwd_sm90). Its first tile is blockIdx.x (with the counter,
-// counter_order(blockIdx.x)); then a fixed stride of gridDim.x,
-// or, with kDynamicTiles, the producer takes the next one from params.tile_counter (or from the zigzag rounds where
-// the host passed none) and hands its index to the consumers through a 2-slot mailbox in shared memory. The producer
-// runs ahead into the next tile (its Q as soon as the consumers are done with that Q buffer, its K/V through the
-// same ring), so loads and the first GEMM of a tile overlap the epilogue of the previous one. With kOInQ the Q buffer
-// is free only once each consumer has stored its O from it, and the producer loads the parts in order before the
-// next tile's K/V: a consumer that finished early waits for the others' epilogues before its next S[0].
+// counter_order(blockIdx.x)); then a fixed stride of gridDim.x, or, with kDynamicTiles, the producer takes the next one
+// from params.tile_counter (or from the zigzag rounds where the host passed none) and hands its index to the consumers
+// through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the consumers
+// are done with that Q buffer, its K/V through the same ring), so loads and the first GEMM of a tile overlap the
+// epilogue of the previous one. With kOInQ the Q buffer is free only once each consumer has stored its O from it, and
+// the producer loads the parts in order before the next tile's K/V: a consumer that finished early waits for the
+// others' epilogues before its next S[0].
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
