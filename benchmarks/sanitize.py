@@ -24,10 +24,10 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 2, 2, 30, 1100, 256, False),  # D256 over 1024 keys: 80-key blocks, O staged in Q rows; one consumer has no row
     (4, 16, 4, 600, 1100, 256, False),  # 320 such tiles: two or three per CTA
     (1, 2, 1, 2100, 2100, 64, True),  # causal D64 from 1024 queries and keys: 192-row tiles, three consumers
-    (2, 4, 2, 1030, 1030, 64, True),  # each head's last tile: consumer 2 without rows; consumers skip key blocks
+    (2, 4, 2, 1030, 1030, 64, True),  # each head's first tile: consumer 0 without rows; consumers skip key blocks
     (1, 2, 2, 1500, 2900, 64, True),  # consumers skip key blocks, keys offset by 1400 (bottom-right)
-    (2, 12, 6, 2048, 2048, 64, True),  # 264 tiles, two zigzag rounds per CTA; a head's last: consumer 2 without rows
-    (2, 16, 8, 1024, 1024, 64, True),  # 192 tiles from the counter; a head's last: consumers 1 and 2 without rows
+    (2, 12, 6, 2048, 2048, 64, True),  # 264 tiles, two zigzag rounds per CTA; a head's first: consumer 0 without rows
+    (2, 16, 8, 1024, 1024, 64, True),  # 192 tiles from the counter; a head's first: consumers 0 and 1 without rows
     (1, 2, 2, 4200, 2100, 64, True),  # 192-row tiles, some that see no key
     (2, 12, 6, 2100, 2100, 64, True),  # 264 tiles of 192 rows: two zigzag rounds per CTA
     (2, 12, 6, 4200, 2100, 64, True),  # 528 of them, those that see no key mixed in

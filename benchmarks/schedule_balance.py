@@ -38,9 +38,31 @@ def zigzag_grid_size(num_m_blocks: int, num_sms: int) -> int:
 
 
 def tile_work(index: int, num_m_blocks: int, length: int, rows: int, block_n: int) -> int:
-    m_block = num_m_blocks - 1 - index % num_m_blocks  # causal: each head's longest rows first
-    m_end = min((m_block + 1) * rows, length)
+    m_end = length - (index % num_m_blocks) * rows  # causal tiles end at Lq, each head's longest rows first
     return -(-m_end // block_n)  # key blocks up to the diagonal (Lq == Lk)
+
+
+# A key block's time in the three-consumer D64 kernel by how many consumers compute it: a lone consumer's chain
+# takes 0.65 of a full block's time (NOTES.md v15, from the L1k grid change); two consumers, 0.9 (a guess).
+BLOCK_TIME_BY_CONSUMERS = {3: 1.0, 2: 0.9, 1: 0.65}
+
+
+def head_time(length: int, end_aligned: bool, rows: int = 192, block_n: int = 128) -> float:
+    """One head's causal time in full-block units, three consumers of 64 rows, Lq == Lk; each consumer computes the
+    key blocks its own rows see (kSkipUnseenBlocks) and one without rows nothing (kSkipRowlessConsumers). Tiles start
+    at 0 (v15) or end at Lq (the part-empty tile first, the branch `causal-end-aligned`)."""
+    num_m_blocks = -(-length // rows)
+    total = 0.0
+    for m in range(num_m_blocks):
+        start = length - (num_m_blocks - m) * rows if end_aligned else m * rows
+        blocks = []
+        for c in range(rows // 64):
+            first, last = start + 64 * c, min(start + 64 * c + 63, length - 1)
+            if last >= 0 and first < length:
+                blocks.append(last // block_n + 1)
+        for b in range(max(blocks)):
+            total += BLOCK_TIME_BY_CONSUMERS[sum(1 for n in blocks if n > b)]
+    return total
 
 
 def counter_order(n: int, num_m_blocks: int, num_tiles: int, tail_heads: int) -> int:
@@ -98,6 +120,11 @@ def main():
                    counter_over_ideal(num_tiles, num_m_blocks, True, work, args.sms)]
             print(f"D{head_dim:<4} L{length:<6} {num_m_blocks:4} query blocks/head: "
                   f"{row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} ({aligned}) | {row[3]:.3f} | {row[4]:.3f}")
+    print("three-consumer D64, causal, one head's time (full key blocks): tiles from 0 | tiles ending at Lq")
+    for length in map(int, args.lengths.split(",")):
+        if length >= 1024:
+            start, end = head_time(length, False), head_time(length, True)
+            print(f"L{length:<6} {start:9.2f} | {end:9.2f} ({start / end - 1:+.1%})")
 
 
 if __name__ == "__main__":

@@ -302,12 +302,13 @@ def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
 def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype):
     # With three consumers (D64 without a mask; under one only where Lq and Lk reach 1024) a Hopper consumer whose rows
     # all lie past Lq computes nothing (fwd_kernel.h, kSkipRowlessConsumers: Lq mod 192 in 1..128, as at 40, 1000, 1024,
-    # 1030, 2048 and 2900; at 40, 1000, 1024 and 2900 only consumer 0 has rows in a head's last tile). Under a causal
-    # mask a consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the three-consumer D64
-    # tiles, D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys (causal) or
-    # 1024 (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per CTA, so the pipeline
-    # counts carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024 take a grid of 131
-    # CTAs on a 132-SM H200 (launch.h, sm90_static_grid).
+    # 1030, 2048 and 2900; at 40, 1000, 1024 and 2900 one consumer has rows in a head's part-empty tile: its last
+    # without a mask, its first under one, whose tiles end at Lq and start at a negative row). Under a causal mask a
+    # consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the three-consumer D64 tiles,
+    # D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys (causal) or 1024
+    # (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per CTA, so the pipeline counts
+    # carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024 take a grid of 131 CTAs on a
+    # 132-SM H200 (launch.h, sm90_static_grid).
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=causal)
 
@@ -382,7 +383,7 @@ def causal_zigzag_grid(num_m_blocks, num_tiles, num_sms):
     ],
     # On a 132-SM H200 with 128-row tiles (D128, D256): zigzag on 128 CTAs, zigzag on 132, zigzag with tiles that see
     # no key, the counter. D64 takes 192-row tiles in every case but no-key-tiles: the counter in 8-blocks (each
-    # head's last tile has two consumers without rows), 11-blocks and long-uneven, zigzag on 132 in uneven and
+    # head's part-empty tile has two consumers without rows), 11-blocks and long-uneven, zigzag on 132 in uneven and
     # long-11-blocks.
     ids=["8-blocks", "11-blocks", "no-key-tiles", "uneven", "long-11-blocks", "long-uneven"],
 )

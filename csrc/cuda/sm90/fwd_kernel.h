@@ -90,13 +90,14 @@ struct FwdTraits {
   // two-consumer D64 kernel 2-4% at L1k). Measured (NOTES.md, v14): +1.5-2.7% in the three-consumer D64 kernel
   // (L 2k-8k), +4% / +2% / +1% at D256 L 1k / 2k / 4k.
   static constexpr bool kSkipUnseenBlocks = Causal && kBlockN != kBlockM;
-  // A consumer whose rows all lie past L_q (in a head's last tile, where L_q is not a multiple of kBlockM) computes
-  // nothing and only takes its turns and releases the buffers. With three consumers that happens at L mod 192 in
-  // 1..128, e.g. L = 1k, 2k, 4k. Measured (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in
-  // the three-consumer causal D64 kernel (the skip alone: +1.5-2.7%). Without a mask it pays only on a grid that
-  // spreads the short tiles over the CTAs (launch.h, sm90_static_grid; v15: +6.1% at L1k, +0.6% / +1.8% at 2k / 4k;
-  // v14 measured -1.5% to +0.5% on 132 CTAs, where each CTA got the same query block of every head). Not with a
-  // shared O buffer, whose hand-over it would have to take part in.
+  // A consumer without rows (in a head's part-empty tile, where L_q is not a multiple of kBlockM: its first under a
+  // causal mask, whose tiles end at L_q, and its last without one) computes nothing and only takes its turns and
+  // releases the buffers. With three consumers that happens at L mod 192 in 1..128, e.g. L = 1k, 2k, 4k. Measured
+  // (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in the three-consumer causal D64 kernel (the
+  // skip alone: +1.5-2.7%). Without a mask it pays only on a grid that spreads the short tiles over the CTAs (launch.h,
+  // sm90_static_grid; v15: +6.1% at L1k, +0.6% / +1.8% at 2k / 4k; v14 measured -1.5% to +0.5% on 132 CTAs, where each
+  // CTA got the same query block of every head). Not with a shared O buffer, whose hand-over it would have to take part
+  // in.
   static constexpr bool kSkipRowlessConsumers = Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
@@ -128,6 +129,7 @@ struct FwdTraits {
   // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
   // stores there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
+  static_assert(kStageO || !Causal, "causal tiles start at negative rows, which only the TMA stores drop");
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
                                         256 /* barriers */;
@@ -317,6 +319,11 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 
 // One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees. Only what the
 // main loop needs is kept; the rest is derived where it is used (the consumers are short of registers).
+// Under a causal mask the tiles end at L_q (m_start = L_q - (m_index + 1) * kBlockM), so where L_q is not a multiple
+// of kBlockM the part-empty tile is a head's first, whose rows see the fewest keys, and starts at a negative row (TMA
+// zero-fills those rows of Q and drops them from O's stores). At the end of a head its consumers with rows would
+// see every key, with only some of them at work: the three-consumer D64 kernel's model (benchmarks/schedule_balance.py)
+// gives +9% at L1k, +4% at 2k, +3% at 4k. Without a mask every tile sees every key, and they start at 0.
 template <typename Traits, bool kCausal>
 struct Tile {
   int m_start, head, batch, num_n_blocks;
@@ -328,10 +335,11 @@ struct Tile {
     const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
     head = (index / num_m_blocks) % p.heads;
     batch = index / num_m_blocks / p.heads;
-    m_start = m_block * Traits::kBlockM;
+    m_start = kCausal ? p.len_q - (num_m_blocks - m_block) * Traits::kBlockM : m_block * Traits::kBlockM;
     const int n_end = kCausal ? max(0, min(p.len_k, m_end(p) + p.len_k - p.len_q)) : p.len_k;
     num_n_blocks = (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
   }
+  __device__ int m_first() const { return kCausal ? max(m_start, 0) : m_start; }  // rows m_first() .. m_end(p) - 1
   __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, p.len_q); }
   // Key block n covers keys key_start(n) .. key_end(n) - 1. With kNarrowFirstBlock the partial block is block 0 and
   // block n >= 1 ends at L_k - (num_n_blocks - 1 - n) * kBlockN; otherwise blocks start at multiples of kBlockN.
@@ -547,11 +555,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int pairs_per_row = p.head_dim / 2;
       const int thread = threadIdx.x - 128;
       constexpr int kConsumerThreads = Traits::kConsumers * 128;
-      for (int i = thread; i < (m_end - tile.m_start) * pairs_per_row; i += kConsumerThreads) {
-        const int row = tile.m_start + i / pairs_per_row;
+      const int m_first = tile.m_first();
+      for (int i = thread; i < (m_end - m_first) * pairs_per_row; i += kConsumerThreads) {
+        const int row = m_first + i / pairs_per_row;
         *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
       }
-      for (int row = tile.m_start + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
+      for (int row = m_first + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
       continue;
     }
     const int num_n_blocks = tile.num_n_blocks;
@@ -572,7 +581,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     };
     if constexpr (Traits::kSkipRowlessConsumers) {
-      if (tile.m_start + 64 * consumer >= p.len_q) {  // no row of this consumer: Q released once loaded, no O
+      const int first_row = tile.m_start + 64 * consumer;
+      if (first_row >= p.len_q || (kCausal && first_row + 64 <= 0)) {  // no rows: Q released once loaded, no O
         const int q_stage = q_loads % Traits::kQStages;
         const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
         mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
@@ -702,7 +712,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       inv[h] = sum > 0.f ? 1.f / sum : 0.f;
       const int row = tile.m_start + row_in_block0 + 8 * h;
-      if (row < p.len_q && lane % 4 == 0) {
+      if ((!kCausal || row >= 0) && row < p.len_q && lane % 4 == 0) {  // causal tiles may start at a negative row
         lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
@@ -737,7 +747,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       __syncwarp();
       if (lane == 0) {
         const int first_row = tile.m_start + 64 * consumer + 16 * warp;
-        if (first_row < p.len_q) {
+        if (first_row < p.len_q && (!kCausal || first_row + 16 > 0)) {  // TMA drops the rows outside 0 .. L_q - 1
 #pragma unroll
           for (int c = 0; c < kColumnBlocks; ++c) {
             if (64 * c < p.head_dim) {
