@@ -50,8 +50,8 @@ constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 25
 // tiles), -1-1.5% at 128 (L16k), where the counter's per-tile costs matter less than the idle SMs.
 // Query rows per causal tile: 64 per consumer warpgroup. D64 takes three consumers (192 rows) once queries and keys
 // reach 1024: measured +1% at L1k, +5% at 1280, +6% at 2k against two (NOTES.md, v14; a consumer skips the key blocks
-// past its rows and one without rows computes nothing, so the taller tile's diagonal and a head's part-empty last
-// tile cost little; before that, in v12, it was -10% at 1k and equal at 2k). Otherwise two (128 rows). The host
+// past its rows and one without rows computes nothing, so the taller tile's diagonal and a head's part-empty tile
+// cost little; before that, in v12, it was -10% at 1k and equal at 2k). Otherwise two (128 rows). The host
 // sizes the schedule with it and the Hopper forward picks its kernel with it (fwd_kernel.h, run_fwd_sm90).
 constexpr int sm90_causal_block_m(int kernel_head_dim, int64_t len_q, int64_t len_k) {
   return kernel_head_dim == 64 && len_q >= 1024 && len_k >= 1024 ? 192 : 128;

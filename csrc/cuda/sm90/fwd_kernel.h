@@ -5,10 +5,10 @@
 // Persistent grid: one CTA per SM (a few fewer for the causal zigzag and for the stride without a mask, launch.h) walks
 // the output tiles (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the
 // producer: one thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle;
-// rows past L and columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q buffer
-// where kQStages = 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a "full"
-// mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer has
-// stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
+// rows outside 0 .. L - 1 and columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q
+// buffer where kQStages = 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a
+// "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer
+// has stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
 // launch.h's sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
 // overlap):
 //
@@ -122,12 +122,12 @@ struct FwdTraits {
   static constexpr int kTileO = 64 * HeadDim;  // one consumer's rows of O
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
-  // clips rows past Lq and columns past D): through a staging buffer beside Q and the K/V ring, one per consumer or
-  // one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks), or through the
-  // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10
-  // and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a
-  // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
-  // stores there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
+  // clips rows outside 0 .. Lq - 1 and columns past D): through a staging buffer beside Q and the K/V ring, one per
+  // consumer or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks), or through the
+  // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10 and
+  // v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a mask
+  // at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte stores
+  // there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static_assert(kStageO || !Causal, "causal tiles start at negative rows, which only the TMA stores drop");
   static constexpr int kMaxSmemBytes = 227 * 1024;
