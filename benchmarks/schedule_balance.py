@@ -37,8 +37,15 @@ def zigzag_grid_size(num_m_blocks: int, num_sms: int) -> int:
     return num_sms
 
 
+def first_row(m_block: int, num_m_blocks: int, length: int, rows: int) -> int:
+    """fwd_kernel.h Tile: the 192-row tiles (kTilesEndAtLq) end at Lq, rounded up to 16 rows; the others start at 0."""
+    rows_before_zero = (num_m_blocks * rows - length) // 16 * 16 if rows == 192 else 0
+    return m_block * rows - rows_before_zero
+
+
 def tile_work(index: int, num_m_blocks: int, length: int, rows: int, block_n: int) -> int:
-    m_end = length - (index % num_m_blocks) * rows  # causal tiles end at Lq, each head's longest rows first
+    m_block = num_m_blocks - 1 - index % num_m_blocks  # causal: each head's longest rows first
+    m_end = min(first_row(m_block, num_m_blocks, length, rows) + rows, length)
     return -(-m_end // block_n)  # key blocks up to the diagonal (Lq == Lk)
 
 
@@ -50,7 +57,7 @@ BLOCK_TIME_BY_CONSUMERS = {3: 1.0, 2: 0.9, 1: 0.65}
 def head_time(length: int, end_aligned: bool, rows: int = 192, block_n: int = 128) -> float:
     """One head's causal time in full-block units, three consumers of 64 rows, Lq == Lk; each consumer computes the
     key blocks its own rows see (kSkipUnseenBlocks) and one without rows nothing (kSkipRowlessConsumers). Tiles start
-    at 0 (v15) or end at Lq (the part-empty tile first, the branch `causal-end-aligned`)."""
+    at 0 (v15) or end at Lq (v16: the part-empty tile first; the kernel rounds to 16 rows, which this ignores)."""
     num_m_blocks = -(-length // rows)
     total = 0.0
     for m in range(num_m_blocks):

@@ -6,9 +6,10 @@
 //   transposed_a_probe: the backward's P^T / dS^T paths: an accumulator stored by the threads into a swizzled tile
 //                (store_swizzled_tile), then read by wgmma as an M-major (transposed) A and as a K-major A.
 //   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h) on contiguous bf16 (B, H, L, D) inputs.
-//   tma_negative_rows_probe: a TMA box load and store at a negative row (the causal forward's first tile of a head
-//                starts there): the load must zero-fill those rows and still count the whole box's bytes, the store
-//                must drop them (not write into the previous head).
+//   tma_negative_rows_probe: a TMA box load at a negative row (the first tile of a head starts there in the
+//                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
+//                (A TMA store at a negative row faults with an illegal instruction, measured on the H200 in NOTES.md
+//                v16, so the forward skips those O boxes.)
 #include <torch/extension.h>
 
 #include "cuda/sm80/ptx.h"
@@ -182,13 +183,11 @@ __global__ void __launch_bounds__(128) tma_probe_kernel(const __grid_constant__ 
   for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) out[i] = tile[i];
 }
 
-// Loads the 64 x 64 box at row `row` of head 1 from `in_map`, and stores the swizzled tile `src` at row `row` of head
-// 1 through `out_map`. The load's wait is bounded: done[0] = 1 once its mbarrier completed (0: it never did).
-__global__ void __launch_bounds__(128) tma_negative_rows_kernel(const __grid_constant__ CUtensorMap in_map,
-                                                                const __grid_constant__ CUtensorMap out_map,
-                                                                const T* src, int row, T* loaded, int* done) {
+// Loads the 64 x 64 box at row `row` of head 1 from `in_map`. The wait is bounded: done[0] = 1 once the load's
+// mbarrier completed (0: it never did).
+__global__ void __launch_bounds__(128) tma_negative_rows_kernel(const __grid_constant__ CUtensorMap in_map, int row,
+                                                                T* loaded, int* done) {
   __shared__ __align__(1024) T tile[64 * 64];
-  __shared__ __align__(1024) T staged[64 * 64];
   __shared__ __align__(8) uint64_t bar;
   __shared__ int landed;
   if (threadIdx.x == 0) {
@@ -212,17 +211,7 @@ __global__ void __launch_bounds__(128) tma_negative_rows_kernel(const __grid_con
     *done = landed;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
-    loaded[i] = tile[i];
-    staged[i] = src[i];
-  }
-  flashattn::sm90::fence_proxy_async_smem();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    flashattn::sm90::tma_store_4d(&out_map, staged, 0, row, 1, 0);
-    flashattn::sm90::bulk_commit_group();
-    flashattn::sm90::bulk_wait_group<0>();
-  }
+  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) loaded[i] = tile[i];
 }
 
 // a: (64, D), b: (D, D), v: (D, D), contiguous bf16 or fp16 with D = 64 or 128. Returns S = a b^T and O = P v.
@@ -251,18 +240,15 @@ torch::Tensor tma_probe(torch::Tensor a) {  // a: (64, 64) bf16, contiguous
   return out;
 }
 
-// x: (1, 2, 64, 64) bf16 read at head 1; src: (64, 64) bf16, already in the swizzled layout; out: (1, 2, 64, 64)
-// written at head 1. Returns the loaded tile (raw, swizzled) and whether the load's mbarrier completed.
-std::vector<torch::Tensor> tma_negative_rows_probe(torch::Tensor x, torch::Tensor src, torch::Tensor out, int64_t row) {
-  CUtensorMap in_map, out_map;
-  const auto map = [](CUtensorMap* m, torch::Tensor t) {  // (1, 2, 64, 64), contiguous, boxes of 64 rows
-    return flashattn::sm90::make_bhld_map(m, t.data_ptr(), true, 1, 2, 64, 64, 2 * 64 * 64, 64 * 64, 64, 64);
-  };
-  TORCH_CHECK(map(&in_map, x) && map(&out_map, out), "cuTensorMapEncodeTiled failed");
+// x: (1, 2, 64, 64) bf16, read at head 1. Returns the loaded tile (raw, swizzled) and whether the load's mbarrier
+// completed.
+std::vector<torch::Tensor> tma_negative_rows_probe(torch::Tensor x, int64_t row) {
+  CUtensorMap in_map;  // (1, 2, 64, 64), contiguous, boxes of 64 rows
+  TORCH_CHECK(flashattn::sm90::make_bhld_map(&in_map, x.data_ptr(), true, 1, 2, 64, 64, 2 * 64 * 64, 64 * 64, 64, 64),
+              "cuTensorMapEncodeTiled failed");
   auto loaded = torch::empty({64, 64}, x.options());
   auto done = torch::zeros({1}, x.options().dtype(torch::kInt));
-  tma_negative_rows_kernel<<<1, 128>>>(in_map, out_map, reinterpret_cast<const T*>(src.data_ptr()),
-                                       static_cast<int>(row), reinterpret_cast<T*>(loaded.data_ptr()),
+  tma_negative_rows_kernel<<<1, 128>>>(in_map, static_cast<int>(row), reinterpret_cast<T*>(loaded.data_ptr()),
                                        done.data_ptr<int>());
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "tma_negative_rows_probe launch failed");
   return {loaded, done};

@@ -303,13 +303,14 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
     # With three consumers (D64 without a mask; under one only where Lq and Lk reach 1024) a Hopper consumer without
     # rows in its tile computes nothing (fwd_kernel.h, kSkipRowlessConsumers: Lq mod 192 in 1..128, as at 40, 1000,
     # 1024, 1030, 2048 and 2900; at 40, 1000, 1024 and 2900 one consumer has rows in a head's part-empty tile). Without
-    # a mask that tile is a head's last; under one it is its first, as causal tiles end at Lq, and it starts at a
-    # negative row (at 40 and 1000 under a mask the two-consumer kernel runs, whose consumers all compute). Under a
-    # causal mask a consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the
-    # three-consumer D64 tiles, D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over
-    # 2048 keys (causal) or 1024 (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per
-    # CTA, so the pipeline counts carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024
-    # take a grid of 131 CTAs on a 132-SM H200 (launch.h, sm90_static_grid).
+    # a mask that tile is a head's last; under one it is its first, as the tiles end at Lq (kTilesEndAtLq, rounded to 16
+    # rows), and starts at a negative row: consumer 1's rows cross row 0 at 1030, consumer 0's at 1100, consumer 2's at
+    # 2900 (at 40 and 1000 under a mask the two-consumer kernel runs, whose consumers all compute). Under a causal mask
+    # a consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the three-consumer D64 tiles,
+    # D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys (causal) or 1024
+    # (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per CTA, so the pipeline counts
+    # carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024 take a grid of 131 CTAs on a
+    # 132-SM H200 (launch.h, sm90_static_grid).
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=causal)
 

@@ -90,8 +90,8 @@ struct FwdTraits {
   // two-consumer D64 kernel 2-4% at L1k). Measured (NOTES.md, v14): +1.5-2.7% in the three-consumer D64 kernel
   // (L 2k-8k), +4% / +2% / +1% at D256 L 1k / 2k / 4k.
   static constexpr bool kSkipUnseenBlocks = Causal && kBlockN != kBlockM;
-  // A consumer without rows (in a head's part-empty tile, where L_q is not a multiple of kBlockM: its first under a
-  // causal mask, whose tiles end at L_q, and its last without one) computes nothing and only takes its turns and
+  // A consumer without rows (in a head's part-empty tile, where L_q is not a multiple of kBlockM: its first where the
+  // tiles end at L_q, kTilesEndAtLq, its last otherwise) computes nothing and only takes its turns and
   // releases the buffers. With three consumers that happens at L mod 192 in 1..128, e.g. L = 1k, 2k, 4k. Measured
   // (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in the three-consumer causal D64 kernel (the
   // skip alone: +1.5-2.7%). Without a mask it pays only on a grid that spreads the short tiles over the CTAs (launch.h,
@@ -99,6 +99,12 @@ struct FwdTraits {
   // CTA got the same query block of every head). Not with a shared O buffer, whose hand-over it would have to take part
   // in.
   static constexpr bool kSkipRowlessConsumers = Consumers == 3;
+  // Under a causal mask the three-consumer kernel's tiles end at L_q (rounded up to 16 rows: see Tile), so a head's
+  // part-empty tile is its first, whose rows see the fewest keys, and starts at a negative row. Measured (NOTES.md,
+  // v16), D64 causal: +5.8-6.0% at L1k, +1.5-1.7% at 2k, -1.0 to +1.8% at 4k-16k. Not in the 128-row kernels: at an
+  // L_q that is not a multiple of 128 the diagonal then crosses a key block in every tile (-1% to -2.5% at D64 / D128
+  // / D256, L 1000 and 3000; at a multiple of 128 nothing changes).
+  static constexpr bool kTilesEndAtLq = Causal && Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
   // Pin the softmax of S[n] before the wait for P[n-1] V[n-1]: ptxas otherwise hoists that wait above the softmax,
@@ -122,14 +128,14 @@ struct FwdTraits {
   static constexpr int kTileO = 64 * HeadDim;  // one consumer's rows of O
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
-  // clips rows outside 0 .. Lq - 1 and columns past D): through a staging buffer beside Q and the K/V ring, one per
-  // consumer or one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks), or through the
-  // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10 and
-  // v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a mask
-  // at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte stores
-  // there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
+  // clips rows past Lq and columns past D): through a staging buffer beside Q and the K/V ring, one per consumer or
+  // one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks), or through the
+  // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10
+  // and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a
+  // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
+  // stores there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
-  static_assert(kStageO || !Causal, "causal tiles start at negative rows, which only the TMA stores drop");
+  static_assert(kStageO || !kTilesEndAtLq, "the first tile's rows before 0 need the staged O stores, which skip them");
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
                                         256 /* barriers */;
@@ -319,11 +325,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 
 // One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees. Only what the
 // main loop needs is kept; the rest is derived where it is used (the consumers are short of registers).
-// Under a causal mask the tiles end at L_q (m_start = L_q - (m_index + 1) * kBlockM), so where L_q is not a multiple
-// of kBlockM the part-empty tile is a head's first, whose rows see the fewest keys, and starts at a negative row (TMA
-// zero-fills those rows of Q and drops them from O's stores). At the end of a head its consumers with rows would
-// see every key, with only some of them at work: the three-consumer D64 kernel's model (benchmarks/schedule_balance.py)
-// gives +9% at L1k, +4% at 2k, +3% at 4k. Without a mask every tile sees every key, and they start at 0.
+// With kTilesEndAtLq a head's first tile starts at a negative row where L_q is not a multiple of kBlockM: TMA
+// zero-fills those rows of Q, the consumers without rows there compute nothing, and no O or lse is stored for them.
+// Tiles that start at 0 would leave the part-empty tile at the end of the head, where its rows see every key.
 template <typename Traits, bool kCausal>
 struct Tile {
   int m_start, head, batch, num_n_blocks;
@@ -335,11 +339,17 @@ struct Tile {
     const int m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
     head = (index / num_m_blocks) % p.heads;
     batch = index / num_m_blocks / p.heads;
-    m_start = kCausal ? p.len_q - (num_m_blocks - m_block) * Traits::kBlockM : m_block * Traits::kBlockM;
+    // kTilesEndAtLq: the rows before 0 in a head's first tile, rounded down to whole 16-row O store boxes, which are
+    // skipped there (a TMA store at a negative row faults, where a load zero-fills: tests/sm90_probe.cu), so the
+    // last tile ends at most 15 rows past L_q.
+    const int rows_before_zero =
+        Traits::kTilesEndAtLq ? (num_m_blocks * Traits::kBlockM - p.len_q) / 16 * 16 : 0;
+    m_start = m_block * Traits::kBlockM - rows_before_zero;
     const int n_end = kCausal ? max(0, min(p.len_k, m_end(p) + p.len_k - p.len_q)) : p.len_k;
     num_n_blocks = (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
   }
-  __device__ int m_first() const { return kCausal ? max(m_start, 0) : m_start; }  // rows m_first() .. m_end(p) - 1
+  // The tile's rows: m_first() .. m_end(p) - 1.
+  __device__ int m_first() const { return Traits::kTilesEndAtLq ? max(m_start, 0) : m_start; }
   __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, p.len_q); }
   // Key block n covers keys key_start(n) .. key_end(n) - 1. With kNarrowFirstBlock the partial block is block 0 and
   // block n >= 1 ends at L_k - (num_n_blocks - 1 - n) * kBlockN; otherwise blocks start at multiples of kBlockN.
@@ -582,7 +592,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     if constexpr (Traits::kSkipRowlessConsumers) {
       const int first_row = tile.m_start + 64 * consumer;
-      if (first_row >= p.len_q || (kCausal && first_row + 64 <= 0)) {  // no rows: Q released once loaded, no O
+      // No rows: Q released once loaded, no O.
+      if (first_row >= p.len_q || (Traits::kTilesEndAtLq && first_row + 64 <= 0)) {
         const int q_stage = q_loads % Traits::kQStages;
         const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
         mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
@@ -712,7 +723,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       inv[h] = sum > 0.f ? 1.f / sum : 0.f;
       const int row = tile.m_start + row_in_block0 + 8 * h;
-      if ((!kCausal || row >= 0) && row < p.len_q && lane % 4 == 0) {  // causal tiles may start at a negative row
+      if ((!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
         lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
@@ -747,7 +758,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       __syncwarp();
       if (lane == 0) {
         const int first_row = tile.m_start + 64 * consumer + 16 * warp;
-        if (first_row < p.len_q && (!kCausal || first_row + 16 > 0)) {  // TMA drops the rows outside 0 .. L_q - 1
+        if (first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {  // no TMA store before row 0
 #pragma unroll
           for (int c = 0; c < kColumnBlocks; ++c) {
             if (64 * c < p.head_dim) {
