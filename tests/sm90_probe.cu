@@ -8,8 +8,8 @@
 //   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h) on contiguous bf16 (B, H, L, D) inputs.
 //   tma_negative_rows_probe: a TMA box load at a negative row (the first tile of a head starts there in the
 //                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
-//                (A TMA store at a negative row faults with an illegal instruction, measured on the H200 in NOTES.md
-//                v16, so the forward skips those O boxes.)
+//                (A TMA store at a negative row fails with a CUDA error on the H200, NOTES.md v16, so the forward
+//                skips those O boxes.)
 #include <torch/extension.h>
 
 #include "cuda/sm80/ptx.h"

@@ -91,19 +91,19 @@ struct FwdTraits {
   // (L 2k-8k), +4% / +2% / +1% at D256 L 1k / 2k / 4k.
   static constexpr bool kSkipUnseenBlocks = Causal && kBlockN != kBlockM;
   // A consumer without rows (in a head's part-empty tile, where L_q is not a multiple of kBlockM: its first where the
-  // tiles end at L_q, kTilesEndAtLq, its last otherwise) computes nothing and only takes its turns and
-  // releases the buffers. With three consumers that happens at L mod 192 in 1..128, e.g. L = 1k, 2k, 4k. Measured
-  // (NOTES.md, v14): with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in the three-consumer causal D64 kernel (the
-  // skip alone: +1.5-2.7%). Without a mask it pays only on a grid that spreads the short tiles over the CTAs (launch.h,
+  // tiles end at L_q, kTilesEndAtLq, its last otherwise) computes nothing and only takes its turns and releases the
+  // buffers. With three consumers that happens at L mod 192 in 1..128, e.g. L = 1k, 2k, 4k. Measured (NOTES.md, v14):
+  // with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in the three-consumer causal D64 kernel (the skip alone:
+  // +1.5-2.7%). Without a mask it pays only on a grid that spreads the short tiles over the CTAs (launch.h,
   // sm90_static_grid; v15: +6.1% at L1k, +0.6% / +1.8% at 2k / 4k; v14 measured -1.5% to +0.5% on 132 CTAs, where each
   // CTA got the same query block of every head). Not with a shared O buffer, whose hand-over it would have to take part
   // in.
   static constexpr bool kSkipRowlessConsumers = Consumers == 3;
   // Under a causal mask the three-consumer kernel's tiles end at L_q (rounded up to 16 rows: see Tile), so a head's
   // part-empty tile is its first, whose rows see the fewest keys, and starts at a negative row. Measured (NOTES.md,
-  // v16), D64 causal: +5.8-6.0% at L1k, +1.5-1.7% at 2k, -1.0 to +1.8% at 4k-16k. Not in the 128-row kernels: at an
-  // L_q that is not a multiple of 128 the diagonal then crosses a key block in every tile (-1% to -2.5% at D64 / D128
-  // / D256, L 1000 and 3000; at a multiple of 128 nothing changes).
+  // v16), D64 causal: +5.8-5.9% at L1k, +1.1-1.7% at 2k, -1.0 to +2.3% at 4k-16k. Not in the 128-row kernels: at an L_q
+  // that is not a multiple of 128 the diagonal then crosses a key block in every tile (-0.9% to -2.5% at L 1000 and
+  // 3000: D64 at 1000, D128, D256; only D256 at 1300 gained, +5%); at a multiple of 128 nothing would change.
   static constexpr bool kTilesEndAtLq = Causal && Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
