@@ -297,20 +297,23 @@ def test_cuda_d64_causal_tile_switch(head_dim, len_q, len_k):
     "batch,heads,len_q,len_k",
     [(1, 4, 1030, 1030), (1, 4, 2048, 2048), (1, 4, 1100, 1037), (1, 4, 2900, 1500), (1, 4, 1500, 2900),
      (1, 4, 2200, 2500), (2, 16, 2048, 2048), (2, 16, 1030, 2200), (4, 32, 1024, 1024), (1, 4, 1000, 1000),
-     (1, 4, 40, 1300), (2, 16, 1000, 1300), (8, 64, 40, 600)],
+     (1, 4, 40, 1300), (2, 16, 1000, 1300), (8, 64, 40, 600), (1, 4, 2900, 3000), (1, 4, 1153, 1153),
+     (1, 4, 1190, 1190), (1, 4, 1130, 1130), (1, 4, 1100, 1090)],
 )
 def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype):
     # With three consumers (D64 without a mask; under one only where Lq and Lk reach 1024) a Hopper consumer without
     # rows in its tile computes nothing (fwd_kernel.h, kSkipRowlessConsumers: Lq mod 192 in 1..128, as at 40, 1000,
     # 1024, 1030, 2048 and 2900; at 40, 1000, 1024 and 2900 one consumer has rows in a head's part-empty tile). Without
     # a mask that tile is a head's last; under one it is its first, as the tiles end at Lq (kTilesEndAtLq, rounded to 16
-    # rows), and starts at a negative row: consumer 1's rows cross row 0 at 1030, consumer 0's at 1100, consumer 2's at
-    # 2900 (at 40 and 1000 under a mask the two-consumer kernel runs, whose consumers all compute). Under a causal mask
-    # a consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the three-consumer D64 tiles,
-    # D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over 2048 keys (causal) or 1024
-    # (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per CTA, so the pipeline counts
-    # carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024 take a grid of 131 CTAs on a
-    # 132-SM H200 (launch.h, sm90_static_grid).
+    # rows), and starts at a negative row. There a consumer's rows cross row 0, and its O boxes before row 0 are
+    # skipped: consumer 1's at 1030, consumer 0's at 1130 (one box) and 1100 / 1090, consumer 2's at 2900 / 3000, 1190
+    # (one box) and 1153 (all but its last box; the last tile ends 15 rows past Lq); at 1100 / 1037 and 2900 / 1500
+    # those rows see no key. At 40 and 1000 under a mask the two-consumer kernel runs, whose consumers all compute.
+    # Under a causal mask a consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the
+    # three-consumer D64 tiles, D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over
+    # 2048 keys (causal) or 1024 (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per
+    # CTA, so the pipeline counts carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024
+    # take a grid of 131 CTAs on a 132-SM H200 (launch.h, sm90_static_grid).
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=causal)
 
@@ -319,12 +322,13 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("len_q,len_k", [(300, 1000), (2100, 2100)], ids=["short", "long"])
+@pytest.mark.parametrize("len_q,len_k", [(300, 1000), (2000, 2100)], ids=["short", "long"])
 def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k):
     # Scores that grow along the keys by `growth` (log2 units per key) in even rows and half that in odd ones, so the
     # row max rises on every key block: by less than the Hopper forward's lazy-rescale threshold per block (its
     # exponentials then reach up to 2^8), by more, or never (growth < 0), and the rows of one warp move on different
-    # blocks. fwd_kernel.h: kLazyRescaleLog2; "long" reaches the three-consumer causal D64 kernel.
+    # blocks. fwd_kernel.h: kLazyRescaleLog2; "long" reaches the three-consumer causal D64 kernel, whose first tile of a
+    # head starts at row -112 there (kTilesEndAtLq).
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = 1.0 / math.sqrt(head_dim)
     q = 0.1 * q

@@ -100,10 +100,11 @@ struct FwdTraits {
   // in.
   static constexpr bool kSkipRowlessConsumers = Consumers == 3;
   // Under a causal mask the three-consumer kernel's tiles end at L_q (rounded up to 16 rows: see Tile), so a head's
-  // part-empty tile is its first, whose rows see the fewest keys, and starts at a negative row. Measured (NOTES.md,
-  // v16), D64 causal: +5.8-5.9% at L1k, +1.1-1.7% at 2k, -1.0 to +2.3% at 4k-16k. Not in the 128-row kernels: at an L_q
-  // that is not a multiple of 128 the diagonal then crosses a key block in every tile (-0.9% to -2.5% at L 1000 and
-  // 3000: D64 at 1000, D128, D256; only D256 at 1300 gained, +5%); at a multiple of 128 nothing would change.
+  // part-empty tile is its first, whose rows see the fewest keys, and starts at a negative row (where L_q mod 192 is in
+  // 1..176). Measured (NOTES.md, v16), D64 causal: +5.8-5.9% at L1k, +1.1-1.7% at 2k, -1.0 to +2.3% at 4k-16k. Not in
+  // the 128-row kernels: at an L_q that is not a multiple of 128 the diagonal then crosses a key block in every tile
+  // (-0.9% to -2.5% at L 1000 and 3000: D64 at 1000, D128, D256; only D256 at 1300 gained, +5%); at a multiple of 128
+  // nothing would change.
   static constexpr bool kTilesEndAtLq = Causal && Consumers == 3;
   // Turn-taking of the consumers' GEMMs: measured +10-15% at D64, +2-8% at D256, neutral at D128.
   static constexpr bool kPingPong = true;
@@ -325,8 +326,9 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float 
 
 // One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees. Only what the
 // main loop needs is kept; the rest is derived where it is used (the consumers are short of registers).
-// With kTilesEndAtLq a head's first tile starts at a negative row where L_q is not a multiple of kBlockM: TMA
-// zero-fills those rows of Q, the consumers without rows there compute nothing, and no O or lse is stored for them.
+// With kTilesEndAtLq a head's first tile starts at a negative row where the tiles overhang L_q by 16 rows or more
+// (L_q mod 192 in 1..176): TMA zero-fills those rows of Q, the consumers without rows there compute nothing, and no
+// O or lse is stored for them.
 // Tiles that start at 0 would leave the part-empty tile at the end of the head, where its rows see every key.
 template <typename Traits, bool kCausal>
 struct Tile {
@@ -340,8 +342,8 @@ struct Tile {
     head = (index / num_m_blocks) % p.heads;
     batch = index / num_m_blocks / p.heads;
     // kTilesEndAtLq: the rows before 0 in a head's first tile, rounded down to whole 16-row O store boxes, which are
-    // skipped there (a TMA store at a negative row faults, where a load zero-fills: tests/sm90_probe.cu), so the
-    // last tile ends at most 15 rows past L_q.
+    // skipped there (a TMA store at a negative row faults, where a load zero-fills: NOTES.md v16), so the last tile
+    // ends at most 15 rows past L_q.
     const int rows_before_zero =
         Traits::kTilesEndAtLq ? (num_m_blocks * Traits::kBlockM - p.len_q) / 16 * 16 : 0;
     m_start = m_block * Traits::kBlockM - rows_before_zero;
@@ -606,7 +608,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 
     // Mask needed: the block has fewer than kBlockN keys (it reaches past L_k, or with kNarrowFirstBlock it is the
-    // partial block 0), or (causal) it reaches past the diagonal of the tile's first row.
+    // partial block 0), or (causal) it reaches past the diagonal of the tile's first row (with kTilesEndAtLq maybe a
+    // row before 0: more blocks masked than needed in that tile, never fewer).
     const auto needs_mask = [&](int n_block, int n_start) {
       const bool partial = Traits::kNarrowFirstBlock ? n_block == 0 && tile.key_end(0, p) < kBlockN
                                                      : n_start + kBlockN > p.len_k;

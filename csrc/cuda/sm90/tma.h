@@ -29,8 +29,9 @@ inline EncodeTiledFn encode_tiled_fn() {
 
 // A 4-D map over a (B, H, L, D) tensor of 16-bit elements with element strides (batch, head, row) and a box of
 // `box_rows` rows x 64 columns (128 bytes: the widest inner box the 128-byte swizzle allows). Coordinates are
-// (column, row, head, batch); loads past L or D are zero-filled, stores there are skipped. Returns false if the
-// driver rejects it (alignment: base and strides must be multiples of 16 bytes).
+// (column, row, head, batch); loads outside rows 0 .. L - 1 or past D are zero-filled, stores past L or D are
+// skipped, and a store at a negative row faults (NOTES.md v16). Returns false if the driver rejects it (alignment:
+// base and strides must be multiples of 16 bytes).
 inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int64_t batch, int64_t heads,
                           int64_t len, int64_t head_dim, int64_t batch_stride, int64_t head_stride,
                           int64_t row_stride, uint32_t box_rows) {
