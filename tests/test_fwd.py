@@ -356,6 +356,48 @@ def test_cuda_non_default_stream():
     assert_attention_close(out, lse, *src, causal=True)
 
 
+def stream_k_tiles(num_tiles, grid):
+    """csrc/cuda/launch.h sm90_stream_k_tiles: how many of the last tiles the non-causal Hopper forward splits."""
+    rounds, rest = divmod(num_tiles, grid)
+    if rounds < 2 or rest == 0 or rest * 8 > grid * 7:
+        return 0
+    return num_tiles - (rounds - 1) * grid
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "head_dim,len_q,len_k",
+    [(128, 1100, 1037), (128, 1100, 920), (128, 300, 4000), (96, 700, 2000), (120, 1100, 1000)],
+)
+def test_cuda_stream_k_tail(monkeypatch, head_dim, len_q, len_k, dtype):
+    # Without a mask the Hopper forward's D128 kernel splits its last tiles' key blocks between neighbouring CTAs,
+    # which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile). The
+    # heads make about 2.5 rounds of 128-row tiles on this GPU, so the last 1.5 rounds split. Keys: a narrow first
+    # block over 128 keys (1037) and under 64 (920), long rows (4000 keys, 23 blocks of 176); D96 and D120 in the
+    # D128 kernel. GQA: two query heads per kv head. Checked against the reference, with and without the split
+    # (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace.
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m_blocks = -(-len_q // 128)
+    heads = 2 * -(-5 * num_sms // (4 * m_blocks))
+    hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"
+    if hopper:
+        assert stream_k_tiles(m_blocks * heads, num_sms) > 0
+    q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
+
+    def run(schedule):
+        monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        out, lse = fwd(q, k, v, False)
+        assert_attention_close(out, lse, q, k, v, causal=False)
+        return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+    split_allocations = run("auto")
+    whole_allocations = run("whole-tiles")
+    if hopper:
+        assert split_allocations == whole_allocations + 1
+
+
 def causal_block_m(head_dim, len_q, len_k):
     """csrc/cuda/launch.h sm90_causal_block_m: query rows per causal tile of the Hopper forward."""
     return 192 if head_dim <= 64 and len_q >= 1024 and len_k >= 1024 else 128
@@ -413,7 +455,7 @@ def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q,
         fwd(q, k, v, True)
         hopper = False  # the variable is read only where the causal Hopper forward runs
     except RuntimeError as error:
-        assert "FLASHATTN_FWD_SCHEDULE must be auto or counter" in str(error)
+        assert "FLASHATTN_FWD_SCHEDULE must be auto, counter or whole-tiles" in str(error)
         hopper = True
     if hopper:  # the counter is one allocation more (a zeroed int32); "auto" allocates it only where it uses it
         block_m = causal_block_m(head_dim, len_q, len_k)

@@ -125,15 +125,22 @@ Sm90Mode sm90_bwd_mode() {
   return mode;
 }
 
-// The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h): returns its grid, or
-// 0 for a tile counter. FLASHATTN_FWD_SCHEDULE=counter forces the counter (read per call, for tests and comparisons).
-int sm90_causal_zigzag_grid_for(const FwdParams& params, int bucket, const at::Tensor& q) {
+// FLASHATTN_FWD_SCHEDULE (read per call, for tests and comparisons): "counter" makes the causal Hopper forward take
+// its tiles from a counter even where the static zigzag applies; "whole-tiles" keeps the non-causal one from splitting
+// its last tiles over keys (stream-K). Returns the value, or "auto".
+std::string fwd_schedule_override() {
   const char* env = std::getenv("FLASHATTN_FWD_SCHEDULE");
-  if (env != nullptr && *env != '\0') {
-    TORCH_CHECK(std::strcmp(env, "counter") == 0 || std::strcmp(env, "auto") == 0,
-                "FLASHATTN_FWD_SCHEDULE must be auto or counter, got '", env, "'");
-    if (std::strcmp(env, "counter") == 0) return 0;
-  }
+  if (env == nullptr || *env == '\0') return "auto";
+  const std::string value(env);
+  TORCH_CHECK(value == "auto" || value == "counter" || value == "whole-tiles",
+              "FLASHATTN_FWD_SCHEDULE must be auto, counter or whole-tiles, got '", value, "'");
+  return value;
+}
+
+// The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h): returns its grid, or
+// 0 for a tile counter.
+int sm90_causal_zigzag_grid_for(const FwdParams& params, int bucket, const at::Tensor& q) {
+  if (fwd_schedule_override() == "counter") return 0;
   const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
   const int block_m = sm90_causal_block_m(sm90_kernel_head_dim(bucket), params.len_q, params.len_k);
   const int64_t num_m_blocks = (params.len_q + block_m - 1) / block_m;
@@ -210,12 +217,29 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
 
   FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
   const bool use_sm90 = sm90_fwd_applies(bucket, q);
-  at::Tensor tile_counter;  // freed after the launch is enqueued: the caching allocator orders reuse on the stream
+  // Freed after the launch is enqueued: the caching allocator orders reuse on the stream.
+  at::Tensor tile_counter, stream_k_workspace;
   if (use_sm90 && causal) {
     params.zigzag_grid = sm90_causal_zigzag_grid_for(params, bucket, q);
     if (params.zigzag_grid == 0) {
       tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
       params.tile_counter = tile_counter.data_ptr<int>();
+    }
+  }
+  // The D128 kernel splits its last tiles over keys (fwd_kernel.h: kStreamKTail).
+  if (use_sm90 && !causal && sm90_kernel_head_dim(bucket) == 128 && fwd_schedule_override() != "whole-tiles") {
+    const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+    const int64_t num_tiles = (s.len_q + 127) / 128 * s.heads * s.batch;
+    params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms));
+    if (params.sk_tiles > 0) {
+      const int64_t slots = static_cast<int64_t>(num_sms) * 2 * 4;  // CTA boundaries x consumers x warps
+      const int64_t flag_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));
+      const int64_t partial_bytes =
+          slots * 32 * (128 / 2 + 4) * static_cast<int64_t>(sizeof(float));
+      stream_k_workspace = at::empty({flag_bytes + partial_bytes}, q.options().dtype(at::kByte));
+      params.sk_flags = reinterpret_cast<int*>(stream_k_workspace.data_ptr());
+      params.sk_partial = reinterpret_cast<float*>(static_cast<char*>(stream_k_workspace.data_ptr()) + flag_bytes);
+      C10_CUDA_CHECK(cudaMemsetAsync(params.sk_flags, 0, flag_bytes, at::cuda::getCurrentCUDAStream()));
     }
   }
   const cudaError_t err = launch_fwd(params, q.scalar_type(), bucket, use_sm90, at::cuda::getCurrentCUDAStream());

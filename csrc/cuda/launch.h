@@ -104,6 +104,23 @@ static_assert(sm90_static_grid(22, 2816, 132, 3, 1) == 131, "L4k: 22 query block
 static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would give one 22 tiles");
 static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
 
+// The Hopper forward without a mask gives each CTA whole tiles at a fixed stride, so where the tiles are not a
+// multiple of the grid the last round runs on part of it (2048 tiles on 132 SMs at D128: 15.5 rounds take 16; at
+// D256 1024 tiles, 7.8 rounds take 8). Stream-K over the last tiles: the tiles past all but the last full round,
+// between one and two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one
+// tile long, so a tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule).
+// Returns how many tiles, or 0 where the last round is more than 7/8 full or there is no earlier round to fold in.
+// The D128 kernel only (fwd_kernel.h: kStreamKTail), whose grid is the SM count (sm90_static_grid).
+constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid) {
+  const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
+  if (rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
+  return num_tiles - (rounds - 1) * grid;
+}
+static_assert(sm90_stream_k_tiles(2048, 132) == 200, "D128: 15 full rounds, the last 68 tiles and one round split");
+static_assert(sm90_stream_k_tiles(1024, 132) == 232, "D256: 7 full rounds, the last 100 tiles and one round split");
+static_assert(sm90_stream_k_tiles(2048, 128) == 0, "whole rounds");
+static_assert(sm90_stream_k_tiles(200, 132) == 0, "no earlier round");
+
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);

@@ -32,6 +32,14 @@ struct FwdParams {
   // (launch.h: sm90_causal_zigzag_grid; 0 means one per SM). flash_api.cpp chooses; other kernels ignore both.
   int* tile_counter;
   int zigzag_grid;
+
+  // Hopper forward without a mask (the D128 kernel): the last sk_tiles tiles are split over keys between
+  // neighbouring CTAs (launch.h: sm90_stream_k_tiles; 0: none). sk_flags: 2 * num_sms * 8 int32, zeroed per call (a
+  // lock, then a "ready" flag per CTA boundary, consumer and warp); sk_partial: num_sms * 8 * 32 * (D / 2 + 4) floats
+  // (a warp's unnormalised O, row maxima and row sums). flash_api.cpp allocates them; other kernels ignore all three.
+  int sk_tiles;
+  int* sk_flags;
+  float* sk_partial;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).

@@ -74,6 +74,11 @@ struct FwdTraits {
   // (launch.h) instead of a fixed stride. Only then does the producer hand tile indices to the consumers (it costs
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
+  // Without a mask the last tiles' key blocks are shared out over the CTAs, and a tile split between two CTAs is
+  // merged by whichever finishes second (launch.h, sm90_stream_k_tiles; StaticSchedule, merge_split_tile). At D128
+  // only: at D256 the schedule's state and the merge spill the consumers (156-168 bytes, some in the key loop); the
+  // three-consumer D64 kernel's grid spreads its short tiles instead.
+  static constexpr bool kStreamKTail = !Causal && HeadDim == 128;
   // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
   // with two consumers (L_q or L_k below 1024): +2-4% at L 512-1k (NOTES.md, v13, when L1k still took two
   // consumers). A third stage measured neutral in the three-consumer causal D64 kernel (v13 and v14, L 1k-4k), 1-2%
@@ -391,6 +396,90 @@ __device__ __forceinline__ int counter_order(int n, int num_m_blocks, int num_ti
   return tail_start + (r % tail_heads) * num_m_blocks + r / tail_heads;  // query block r / tail_heads, longest first
 }
 
+// The schedule without a mask where kStreamKTail: CTA c takes the whole tiles c, c + grid, ... below num_tiles -
+// p.sk_tiles, then its
+// share of the key blocks of the last p.sk_tiles tiles (stream-K, launch.h: sm90_stream_k_tiles): blocks
+// c * I / grid .. (c + 1) * I / grid - 1 of I = sk_tiles * num_n_blocks, counted from block 0 of the first of those
+// tiles. Each share is at least one tile long, so a tile is split between at most two neighbouring CTAs: the part
+// that ends CTA c's share (blocks 0 .. k - 1) and the part that starts CTA c + 1's (k ..); boundary c names both.
+// The producer and the consumers each walk it.
+struct StaticSchedule {
+  int next_whole, whole_tiles, num_n_blocks;
+  int position, share_end;  // in key blocks from block 0 of tile whole_tiles
+
+  __device__ StaticSchedule(const FwdParams& p, int num_tiles, int n_blocks) {
+    next_whole = blockIdx.x;
+    whole_tiles = num_tiles - p.sk_tiles;
+    num_n_blocks = n_blocks;
+    const int64_t blocks = static_cast<int64_t>(p.sk_tiles) * n_blocks;
+    position = static_cast<int>(blocks * blockIdx.x / gridDim.x);
+    share_end = static_cast<int>(blocks * (blockIdx.x + 1) / gridDim.x);
+  }
+  // The next unit of work: tile `tile`, key blocks n_begin .. n_end - 1. False once the CTA is done.
+  __device__ bool next(int& tile, int& n_begin, int& n_end) {
+    if (next_whole < whole_tiles) {
+      tile = next_whole;
+      next_whole += gridDim.x;
+      n_begin = 0;
+      n_end = num_n_blocks;
+      return true;
+    }
+    if (position >= share_end) return false;
+    tile = whole_tiles + position / num_n_blocks;
+    n_begin = position % num_n_blocks;
+    n_end = min(num_n_blocks, n_begin + (share_end - position));
+    position += n_end - n_begin;
+    return true;
+  }
+};
+
+// A warp's 16 rows of a tile split between two CTAs (StaticSchedule): its part of O (unnormalised), row maxima and
+// row sums in registers. The warp that gets here first (a lock per boundary, consumer and warp) leaves them in
+// `partial` and returns false; the other waits for them (the first is already writing: no wait on a CTA that may not
+// be running), merges them into its own and returns true, and then stores the tile's rows as usual.
+template <int kHeadDim>
+__device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], float (&row_sum)[2],
+                                 float scale_log2, int* lock, int* ready, float* partial, int lane) {
+  constexpr int kSums = kHeadDim / 2;  // partial: o[i] at [i][lane], then the 2 row bases and 2 row sums
+  int first = 0;
+  if (lane == 0) first = atomicCAS(lock, 0, 1) == 0;
+  first = __shfl_sync(0xffffffff, first, 0);
+  float base[2];  // log2 units: the reference each part's O and sums are relative to (RowSoftmax)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) base[h] = row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2;
+  if (first) {
+#pragma unroll
+    for (int i = 0; i < kSums; ++i) __stcg(partial + i * 32 + lane, o[i]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      __stcg(partial + (kSums + h) * 32 + lane, base[h]);
+      __stcg(partial + (kSums + 2 + h) * 32 + lane, row_sum[h]);
+    }
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicExch(ready, 1);
+    return false;
+  }
+  if (lane == 0) {
+    while (*static_cast<volatile int*>(ready) == 0) __nanosleep(64);
+    __threadfence();
+  }
+  __syncwarp();
+  float own[2], other[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float other_base = __ldcg(partial + (kSums + h) * 32 + lane);
+    const float top = fmaxf(base[h], other_base);
+    own[h] = exp2f(base[h] - top);
+    other[h] = exp2f(other_base - top);
+    row_sum[h] = row_sum[h] * own[h] + __ldcg(partial + (kSums + 2 + h) * 32 + lane) * other[h];
+    row_max[h] = scale_log2 > 0.f ? top / scale_log2 : 0.f;  // the epilogue's lse takes row_max * scale_log2
+  }
+#pragma unroll
+  for (int i = 0; i < kSums; ++i) o[i] = o[i] * own[(i / 2) % 2] + __ldcg(partial + i * 32 + lane) * other[(i / 2) % 2];
+  return true;
+}
+
 // Persistent: one CTA per SM or fewer (launch_fwd_sm90). Its first tile is blockIdx.x (with the counter,
 // counter_order(blockIdx.x)); then a fixed stride of gridDim.x, or, with kDynamicTiles, the producer takes the next one
 // from params.tile_counter (or from the zigzag rounds where the host passed none) and hands its index to the consumers
@@ -451,6 +540,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
     int index = blockIdx.x;
+    int n_begin = 0, n_end = 0;  // the key blocks of tile `index` this CTA computes (all but with stream-K)
+    StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);
+    if (Traits::kStreamKTail && !schedule.next(index, n_begin, n_end)) index = num_tiles;
     int tail_heads = 0;  // with the counter: the (batch, head) pairs whose tiles go longest first (counter_order)
     if (Traits::kDynamicTiles && p.tile_counter != nullptr) {
       const int tail_tiles = kCounterTailRounds * static_cast<int>(gridDim.x);
@@ -466,7 +558,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       if (index >= num_tiles) break;
       const TileT tile(index, num_m_blocks, p);
-      if (tile.num_n_blocks > 0) {
+      if (!Traits::kStreamKTail) n_end = tile.num_n_blocks;
+      if (n_end > n_begin) {
         const int q_stage = q_loads % Traits::kQStages;
         const int q_use = q_loads / Traits::kQStages;
         ++q_loads;
@@ -483,7 +576,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
       // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
-      for (int n_block = 0; n_block < tile.num_n_blocks; ++n_block, ++kv_loads) {
+      for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
         const int stage = kv_loads % kStages;
         const int use = kv_loads / kStages;
         const int row = tile.key_start(n_block, p);
@@ -500,11 +593,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
       }
-      // Next tile. Without a mask: a fixed stride. Causal with a counter: take the next tile once this one is
-      // issued (each head's longest rows come first, so this is longest-first within a head, and the CTAs at work
-      // stay on neighbouring heads; the last tail_heads heads longest first across them, counter_order). Causal
-      // without one: the next zigzag round (launch.h).
-      if (!Traits::kDynamicTiles) {
+      // Next tile. Without a mask: a fixed stride, then a share of the last tiles' key blocks (StaticSchedule).
+      // Causal with a counter: take the next tile once this one is issued (each head's longest rows come first, so
+      // this is longest-first within a head, and the CTAs at work stay on neighbouring heads; the last tail_heads
+      // heads longest first across them, counter_order). Causal without one: the next zigzag round (launch.h).
+      if (Traits::kStreamKTail) {
+        if (!schedule.next(index, n_begin, n_end)) index = num_tiles;
+      } else if (!Traits::kDynamicTiles) {
         index += gridDim.x;
       } else if (p.tile_counter != nullptr) {
         index = counter_order(gridDim.x + atomicAdd(p.tile_counter, 1), num_m_blocks, num_tiles, tail_heads);
@@ -548,18 +643,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
 
   int index = blockIdx.x;
+  StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);  // with kStreamKTail
   for (int j = 0;; ++j) {
+    int n_begin = 0, n_end = 0;  // the key blocks of the tile this CTA computes (all but with stream-K)
     if constexpr (Traits::kDynamicTiles) {
       const int slot = j % 2;
       mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
       index = __shfl_sync(0xffffffff, smem.tile_index[slot], 0);
       mbarrier_arrive(&smem.tile_empty[slot]);
       if (index < 0) break;
+    } else if constexpr (Traits::kStreamKTail) {
+      if (!schedule.next(index, n_begin, n_end)) break;
+      // Broadcast, so ptxas keeps them in uniform registers (the division in next() leaves the uniform datapath).
+      index = __shfl_sync(0xffffffff, index, 0);
+      n_begin = __shfl_sync(0xffffffff, n_begin, 0);
+      n_end = __shfl_sync(0xffffffff, n_end, 0);
     } else {
       if (j > 0) index += gridDim.x;
       if (index >= num_tiles) break;
     }
     const TileT tile(index, num_m_blocks, p);
+    if constexpr (!Traits::kStreamKTail) n_end = tile.num_n_blocks;
     if (tile.num_n_blocks == 0) {  // no row of this tile sees a key: out = 0, lse = -inf
       T* const o_base = tile.template out<T>(p);
       float* const lse_base = tile.lse(p);
@@ -576,13 +680,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       continue;
     }
     const int num_n_blocks = tile.num_n_blocks;
-    const auto stage_of = [&](int n_block) { return (kv_loads + n_block) % kStages; };
-    const auto parity_of = [&](int n_block) { return static_cast<uint32_t>(((kv_loads + n_block) / kStages) & 1); };
-    // The tile's blocks n_first .. num_n_blocks - 1 without computing them: their turns, and their stages released
-    // once loaded (an arrival before the load could count towards the stage's previous use, which another consumer
-    // may still be reading).
+    const auto stage_of = [&](int n_block) { return (kv_loads + n_block - n_begin) % kStages; };
+    const auto parity_of = [&](int n_block) {
+      return static_cast<uint32_t>(((kv_loads + n_block - n_begin) / kStages) & 1);
+    };
+    // The blocks n_first .. n_end - 1 without computing them: their turns, and their stages released once loaded (an
+    // arrival before the load could count towards the stage's previous use, which another consumer may still be
+    // reading).
     const auto pass_blocks = [&](int n_first) {
-      for (int n_block = n_first; n_block < num_n_blocks; ++n_block) {
+      for (int n_block = n_first; n_block < n_end; ++n_block) {
         const int stage = stage_of(n_block);
         wait_turn();
         pass_turn();
@@ -601,8 +707,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
         ++q_loads;
         if (!Traits::kOInQ || lane == 0) mbarrier_arrive(&smem.q_empty[q_barrier]);
-        pass_blocks(0);
-        kv_loads += num_n_blocks;
+        pass_blocks(n_begin);
+        kv_loads += n_end - n_begin;
         continue;
       }
     }
@@ -623,11 +729,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         last_col[h] = last - n_start - 2 * (lane % 4);
       }
     };
-    // Blocks 0 .. my_n_blocks - 1 are those this consumer's rows see (at least block 0, which masks rows that see no
-    // key); with kSkipUnseenBlocks it computes only those.
+    // Blocks n_begin .. my_n_end - 1 are those this consumer computes: with kSkipUnseenBlocks (causal, n_begin = 0)
+    // those its rows see (at least block 0, which masks rows that see no key).
     const int last_key_seen = tile.m_start + 64 * consumer + 63 + causal_shift;
-    const int my_n_blocks =
-        Traits::kSkipUnseenBlocks ? max(1, min(num_n_blocks, last_key_seen / kBlockN + 1)) : num_n_blocks;
+    const int my_n_end = Traits::kSkipUnseenBlocks ? max(1, min(num_n_blocks, last_key_seen / kBlockN + 1)) : n_end;
 
     float o[kHeadDim / 2];
 #pragma unroll
@@ -638,21 +743,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float rescale[2];
     int last_col[2];
 
-    // Block 0: S only (there is no P yet).
+    // The first block: S only (there is no P yet).
     const int q_stage = q_loads % Traits::kQStages;
     const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
     mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
     ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
-    mbarrier_wait(&smem.k_full[stage_of(0)], parity_of(0));
+    mbarrier_wait(&smem.k_full[stage_of(n_begin)], parity_of(n_begin));
     wait_turn();
     if constexpr (Traits::kNarrowFirstBlock) {  // each branch waits for its own S
-      const T* const k_first = smem.k_stage(stage_of(0));
-      if (tile.key_end(0, p) <= 64) {
+      const T* const k_first = smem.k_stage(stage_of(n_begin));
+      const int first_keys = n_begin == 0 ? tile.key_end(0, p) : kBlockN;
+      if (first_keys <= 64) {
         issue_qk<T, Traits, 64>(s, q_rows, k_first);
         pass_turn();
         wgmma_wait<0>();
-      } else if (tile.key_end(0, p) <= 128) {
+      } else if (first_keys <= 128) {
         issue_qk<T, Traits, 128>(s, q_rows, k_first);
         pass_turn();
         wgmma_wait<0>();
@@ -662,20 +768,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_wait<0>();
       }
     } else {
-      issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(0)));
+      issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(n_begin)));
       pass_turn();
       wgmma_wait<0>();
     }
     wgmma_fence_registers(s);
-    mbarrier_arrive(&smem.k_empty[stage_of(0)]);
-    if (!Traits::kOInQ && my_n_blocks == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
-    last_cols(0, 0, last_col);  // masks the columns past the block's keys, including any the narrow S left unwritten
-    // Block 0 moves the reference of every row that sees a key off -inf (rows that see none stay at -inf under either
-    // rule): no lazy test, which here only costs registers.
-    softmax.template update<false>(s, scale_log2, negate, needs_mask(0, 0), last_col, rescale);
+    mbarrier_arrive(&smem.k_empty[stage_of(n_begin)]);
+    if (!Traits::kOInQ && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
+    const int first_start = tile.key_start(n_begin, p);
+    // Masks the columns past the block's keys, including any the narrow S left unwritten.
+    last_cols(n_begin, first_start, last_col);
+    // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
+    // under either rule): no lazy test, which here only costs registers.
+    softmax.template update<false>(s, scale_log2, negate, needs_mask(n_begin, first_start), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
-    for (int n_block = 1; n_block < my_n_blocks; ++n_block) {
+    for (int n_block = n_begin + 1; n_block < my_n_end; ++n_block) {
       const int stage = stage_of(n_block);
       const int prev = stage_of(n_block - 1);
       const int n_start = tile.key_start(n_block, p);
@@ -689,7 +797,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
       mbarrier_arrive(&smem.k_empty[stage]);
-      if (!Traits::kOInQ && n_block == my_n_blocks - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);  // free for reuse
+      if (!Traits::kOInQ && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);  // free for reuse
       last_cols(n_block, n_start, last_col);
       const bool moved = softmax.template update<Traits::kLazyRescale>(
           s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
@@ -706,14 +814,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
 
     // The last P V.
-    const int last = stage_of(my_n_blocks - 1);
-    mbarrier_wait(&smem.v_full[last], parity_of(my_n_blocks - 1));
+    const int last = stage_of(my_n_end - 1);
+    mbarrier_wait(&smem.v_full[last], parity_of(my_n_end - 1));
     issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
-    if constexpr (Traits::kSkipUnseenBlocks) pass_blocks(my_n_blocks);  // the blocks past this consumer's rows
+    if constexpr (Traits::kSkipUnseenBlocks) pass_blocks(my_n_end);  // the blocks past this consumer's rows
     wgmma_wait<0>();
     wgmma_fence_registers(o);
     mbarrier_arrive(&smem.v_empty[last]);
-    kv_loads += num_n_blocks;
+    kv_loads += n_end - n_begin;
+
+    // A tile split between two CTAs (stream-K): one warp of the two holding these rows hands its part to the other.
+    bool store_o = true;
+    if constexpr (Traits::kStreamKTail) {
+      if (n_begin > 0 || n_end < num_n_blocks) {
+        const int boundary = static_cast<int>(blockIdx.x) - (n_begin > 0 ? 1 : 0);  // the CTA with blocks 0 ..
+        const int slot = (boundary * 2 + consumer) * 4 + warp;
+        const int slots = static_cast<int>(gridDim.x) * 2 * 4;
+        store_o = merge_split_tile<kHeadDim>(o, softmax.row_max, softmax.row_sum, scale_log2, p.sk_flags + slot,
+                                             p.sk_flags + slots + slot,
+                                             p.sk_partial + static_cast<int64_t>(slot) * 32 * (kHeadDim / 2 + 4), lane);
+      }
+    }
 
     // Epilogue: normalise, lse, O out.
     constexpr float kLn2 = 0.6931471805599453f;
@@ -726,7 +847,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       inv[h] = sum > 0.f ? 1.f / sum : 0.f;
       const int row = tile.m_start + row_in_block0 + 8 * h;
-      if ((!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
+      if (store_o && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
         lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
@@ -748,20 +869,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
       const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
+      if (store_o) {  // else the buffer is only handed on
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
-        const int chunk = j + matrix / 2;
-        T* const dst = warp_rows + (chunk / 8) * kSubTile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
-        stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
-                    sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
-                    sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
-                    sm80::pack2<T>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+        for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
+          const int chunk = j + matrix / 2;
+          T* const dst = warp_rows + (chunk / 8) * kSubTile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+          stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                      sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                      sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                      sm80::pack2<T>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+        }
+        fence_proxy_async_smem();  // the TMA (async proxy) reads what the threads wrote
       }
-      fence_proxy_async_smem();  // the TMA (async proxy) reads what the threads wrote
       __syncwarp();
       if (lane == 0) {
         const int first_row = tile.m_start + 64 * consumer + 16 * warp;
-        if (first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {  // no TMA store before row 0
+        // No TMA store before row 0 (kTilesEndAtLq).
+        if (store_o && first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {
 #pragma unroll
           for (int c = 0; c < kColumnBlocks; ++c) {
             if (64 * c < p.head_dim) {
@@ -779,7 +903,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = tile.m_start + row_in_block0 + 8 * h;
-        if (row >= p.len_q) continue;
+        if (!store_o || row >= p.len_q) continue;
         T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
@@ -832,7 +956,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   // without a mask the fixed stride's grid that spreads the heads' short last tiles over the CTAs (launch.h).
   const bool zigzag = kCausal && params.tile_counter == nullptr && params.zigzag_grid > 0;
   int grid_size = zigzag ? params.zigzag_grid : num_sms;
-  if (!kCausal) {
+  if (Traits::kStreamKTail && params.sk_tiles > 0) {
+    // The host sized the split for one CTA per SM (sm90_stream_k_tiles), each share at least one tile long.
+    if (params.sk_tiles < num_sms || params.sk_tiles > num_tiles) return cudaErrorInvalidValue;
+  } else if (!kCausal) {
     // The consumers that compute in a head's last tile (all of them where none skips for want of rows).
     const int64_t last_tile_rows = params.len_q - (num_m_blocks - 1) * Traits::kBlockM;
     const int short_tile_consumers =
