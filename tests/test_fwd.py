@@ -389,8 +389,9 @@ def test_cuda_stream_k_tail(monkeypatch, head_dim, len_q, len_k, dtype):
         monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
         before = torch.cuda.memory_stats()["allocation.all.allocated"]
         out, lse = fwd(q, k, v, False)
+        allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
         assert_attention_close(out, lse, q, k, v, causal=False)
-        return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+        return allocations
 
     split_allocations = run("auto")
     whole_allocations = run("whole-tiles")
