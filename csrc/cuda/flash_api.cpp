@@ -230,7 +230,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   if (use_sm90 && !causal && sm90_kernel_head_dim(bucket) == 128 && fwd_schedule_override() != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
     const int64_t num_tiles = (s.len_q + 127) / 128 * s.heads * s.batch;
-    params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms));
+    const int64_t num_n_blocks = (s.len_k + sm90_fwd_block_n(128, false) - 1) / sm90_fwd_block_n(128, false);
+    params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks));
     if (params.sk_tiles > 0) {
       const int64_t slots = static_cast<int64_t>(num_sms) * 2 * 4;  // CTA boundaries x consumers x warps
       const int64_t flag_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));

@@ -104,22 +104,32 @@ static_assert(sm90_static_grid(22, 2816, 132, 3, 1) == 131, "L4k: 22 query block
 static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would give one 22 tiles");
 static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
 
+// Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
+// per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short key rows take 64 keys at D256 instead
+// (fwd_kernel.h, run_fwd_sm90).
+constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
+  return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
+}
+
 // The Hopper forward without a mask gives each CTA whole tiles at a fixed stride, so where the tiles are not a
 // multiple of the grid the last round runs on part of it (2048 tiles on 132 SMs at D128: 15.5 rounds take 16; at
 // D256 1024 tiles, 7.8 rounds take 8). Stream-K over the last tiles: the tiles past all but the last full round,
 // between one and two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one
 // tile long, so a tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule).
-// Returns how many tiles, or 0 where the last round is more than 7/8 full or there is no earlier round to fold in.
-// The D128 kernel only (fwd_kernel.h: kStreamKTail), whose grid is the SM count (sm90_static_grid).
-constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid) {
+// Returns how many tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or
+// a tile has fewer than 12 key blocks. Measured against whole tiles (NOTES.md, v17, five rounds over two calls), D128
+// L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (L1k: 6 key blocks of 176). The D128 kernel only
+// (fwd_kernel.h: kStreamKTail), whose grid is the SM count (sm90_static_grid).
+constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks) {
   const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
-  if (rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
+  if (num_n_blocks < 12 || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
   return num_tiles - (rounds - 1) * grid;
 }
-static_assert(sm90_stream_k_tiles(2048, 132) == 200, "D128: 15 full rounds, the last 68 tiles and one round split");
-static_assert(sm90_stream_k_tiles(1024, 132) == 232, "D256: 7 full rounds, the last 100 tiles and one round split");
-static_assert(sm90_stream_k_tiles(2048, 128) == 0, "whole rounds");
-static_assert(sm90_stream_k_tiles(200, 132) == 0, "no earlier round");
+static_assert(sm90_stream_k_tiles(2048, 132, 12) == 200, "D128 L2k: 15 full rounds; the last 68 tiles and one round");
+static_assert(sm90_stream_k_tiles(2048, 132, 6) == 0, "D128 L1k: 6 key blocks");
+static_assert(sm90_stream_k_tiles(2048, 128, 12) == 0, "whole rounds");
+static_assert(sm90_stream_k_tiles(200, 132, 12) == 0, "no earlier round");
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>

@@ -44,13 +44,6 @@
 
 namespace flashattn::sm90 {
 
-// Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
-// per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short key rows take 64 keys at D256 instead
-// (run_fwd_sm90).
-constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
-  return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
-}
 // D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key blocks (O staged in
 // the Q rows, kOInQ) above. Measured (NOTES.md, v13), the 80-key kernel against the 64-key one: under a causal mask
 // 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k; without a mask 9% slower at 512 keys, 3% at 768, -2% to
