@@ -427,12 +427,14 @@ struct StaticSchedule {
 };
 
 // A warp's 16 rows of a tile split between two CTAs (StaticSchedule): its part of O (unnormalised), row maxima and
-// row sums in registers. The warp that gets here first (a lock per boundary, consumer and warp) leaves them in
-// `partial` and returns false; the other waits for them (the first is already writing: no wait on a CTA that may not
-// be running), merges them into its own and returns true, and then stores the tile's rows as usual.
+// row sums in registers; `first_part`: it holds the tile's first key blocks. The warp that gets here first (a lock per
+// boundary, consumer and warp) leaves them in `partial` and returns false; the other waits for them (the first is
+// already writing: no wait on a CTA that may not be running), merges them into its own and returns true, and then
+// stores the tile's rows as usual. The merge adds the parts in key order whichever CTA does it, so the result does
+// not depend on which finished first.
 template <int kHeadDim>
 __device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], float (&row_sum)[2],
-                                 float scale_log2, int* lock, int* ready, float* partial, int lane) {
+                                 float scale_log2, bool first_part, int* lock, int* ready, float* partial, int lane) {
   constexpr int kSums = kHeadDim / 2;  // partial: o[i] at [i][lane], then the 2 row bases and 2 row sums
   int first = 0;
   if (lane == 0) first = atomicCAS(lock, 0, 1) == 0;
@@ -458,18 +460,26 @@ __device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], 
     __threadfence();
   }
   __syncwarp();
-  float own[2], other[2];
+  // first * first_scale + second * second_scale, each part rescaled to the larger of the two bases.
+  const auto add_in_key_order = [&](float own, float other, float own_scale, float other_scale) {
+    return first_part ? fmaf(own, own_scale, other * other_scale) : fmaf(other, other_scale, own * own_scale);
+  };
+  float own_scale[2], other_scale[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float other_base = __ldcg(partial + (kSums + h) * 32 + lane);
     const float top = fmaxf(base[h], other_base);
-    own[h] = exp2f(base[h] - top);
-    other[h] = exp2f(other_base - top);
-    row_sum[h] = row_sum[h] * own[h] + __ldcg(partial + (kSums + 2 + h) * 32 + lane) * other[h];
+    own_scale[h] = exp2f(base[h] - top);
+    other_scale[h] = exp2f(other_base - top);
+    row_sum[h] = add_in_key_order(row_sum[h], __ldcg(partial + (kSums + 2 + h) * 32 + lane), own_scale[h],
+                                  other_scale[h]);
     row_max[h] = scale_log2 > 0.f ? top / scale_log2 : 0.f;  // the epilogue's lse takes row_max * scale_log2
   }
 #pragma unroll
-  for (int i = 0; i < kSums; ++i) o[i] = o[i] * own[(i / 2) % 2] + __ldcg(partial + i * 32 + lane) * other[(i / 2) % 2];
+  for (int i = 0; i < kSums; ++i) {
+    const int h = (i / 2) % 2;  // the accumulator's row (rescale_o)
+    o[i] = add_in_key_order(o[i], __ldcg(partial + i * 32 + lane), own_scale[h], other_scale[h]);
+  }
   return true;
 }
 
@@ -823,9 +833,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int boundary = static_cast<int>(blockIdx.x) - (n_begin > 0 ? 1 : 0);  // the CTA with blocks 0 ..
         const int slot = (boundary * 2 + consumer) * 4 + warp;
         const int slots = static_cast<int>(gridDim.x) * 2 * 4;
-        store_o = merge_split_tile<kHeadDim>(o, softmax.row_max, softmax.row_sum, scale_log2, p.sk_flags + slot,
-                                             p.sk_flags + slots + slot,
-                                             p.sk_partial + static_cast<int64_t>(slot) * 32 * (kHeadDim / 2 + 4), lane);
+        float* const partial = p.sk_partial + static_cast<int64_t>(slot) * 32 * (kHeadDim / 2 + 4);
+        store_o = merge_split_tile<kHeadDim>(o, softmax.row_max, softmax.row_sum, scale_log2, n_begin == 0,
+                                             p.sk_flags + slot, p.sk_flags + slots + slot, partial, lane);
       }
     }
 
