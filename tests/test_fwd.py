@@ -367,33 +367,36 @@ def stream_k_tiles(num_tiles, grid, num_n_blocks):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "head_dim,len_q,len_k",
-    [(128, 1100, 2150), (128, 700, 2438), (128, 300, 4000), (96, 700, 2200), (120, 1100, 2300), (128, 1100, 1037)],
+    "head_dim,batch,len_q,len_k,scale",
+    [(128, 1, 1100, 2150, None), (128, 1, 700, 2438, None), (128, 1, 300, 4000, None), (96, 1, 700, 2200, None),
+     (120, 1, 1100, 2300, None), (128, 2, 700, 2200, -0.05), (128, 1, 1100, 1037, None)],
 )
-def test_cuda_stream_k_tail(monkeypatch, head_dim, len_q, len_k, dtype):
+def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, dtype):
     # Without a mask the Hopper forward's D128 kernel splits its last tiles' key blocks between neighbouring CTAs,
     # which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where
     # a tile has at least 12 key blocks of 176. The heads make about 2.5 rounds of 128-row tiles on this GPU, so the
     # last 1.5 rounds split. Keys: a narrow first block of 38 (2150), 88 (2200), 12 (2300) and 128 keys (4000, 23
-    # blocks), a full-width one of 150 (2438); D96 and D120 in the D128 kernel; 1037 keys (6 blocks) take whole tiles.
-    # GQA: two query heads per kv head. Checked against the reference, with and without the split
+    # blocks), a full-width one of 150 (2438); D96 and D120 in the D128 kernel; two batches with a negative scale;
+    # 1037 keys (6 blocks) take whole tiles. GQA: two query heads per kv head. Checked against the reference, with and without the split
     # (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in key
     # order whichever CTA finishes second, so two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
-    heads = 2 * -(-5 * num_sms // (4 * m_blocks))
-    split = stream_k_tiles(m_blocks * heads, num_sms, -(-len_k // 176)) > 0
+    heads = 2 * -(-5 * num_sms // (4 * m_blocks * batch))
+    split = stream_k_tiles(m_blocks * heads * batch, num_sms, -(-len_k // 176)) > 0
     hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"
+    if hopper and len_k > 11 * 176 and not split:
+        pytest.skip(f"{m_blocks * heads * batch} tiles make whole rounds on {num_sms} SMs: nothing to split")
     if hopper:
-        assert split == (len_k > 11 * 176)  # this GPU: every shape past 11 key blocks splits
-    q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
+        assert split == (len_k > 11 * 176)
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
 
     def run(schedule):
         monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
         before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        out, lse = fwd(q, k, v, False)
+        out, lse = fwd(q, k, v, False, scale)
         allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
-        assert_attention_close(out, lse, q, k, v, causal=False)
+        assert_attention_close(out, lse, q, k, v, False, scale)
         return out, lse, allocations
 
     out, lse, split_allocations = run("auto")

@@ -390,12 +390,11 @@ __device__ __forceinline__ int counter_order(int n, int num_m_blocks, int num_ti
 }
 
 // The schedule without a mask where kStreamKTail: CTA c takes the whole tiles c, c + grid, ... below num_tiles -
-// p.sk_tiles, then its
-// share of the key blocks of the last p.sk_tiles tiles (stream-K, launch.h: sm90_stream_k_tiles): blocks
-// c * I / grid .. (c + 1) * I / grid - 1 of I = sk_tiles * num_n_blocks, counted from block 0 of the first of those
-// tiles. Each share is at least one tile long, so a tile is split between at most two neighbouring CTAs: the part
-// that ends CTA c's share (blocks 0 .. k - 1) and the part that starts CTA c + 1's (k ..); boundary c names both.
-// The producer and the consumers each walk it.
+// p.sk_tiles, then its share of the key blocks of the last p.sk_tiles tiles (stream-K, launch.h: sm90_stream_k_tiles):
+// blocks c * I / grid .. (c + 1) * I / grid - 1 of I = sk_tiles * num_n_blocks, counted from block 0 of the first of
+// those tiles. Each share is at least one tile long, so a tile is split between at most two neighbouring CTAs: the part
+// that ends CTA c's share (blocks 0 .. k - 1) and the part that starts CTA c + 1's (k ..); boundary c names both. The
+// producer and the consumers each walk it.
 struct StaticSchedule {
   int next_whole, whole_tiles, num_n_blocks;
   int position, share_end;  // in key blocks from block 0 of tile whole_tiles
@@ -452,7 +451,10 @@ __device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], 
     }
     __threadfence();
     __syncwarp();
-    if (lane == 0) atomicExch(ready, 1);
+    if (lane == 0) {  // the flag after every lane's part (fence and flag in one thread: a release)
+      __threadfence();
+      atomicExch(ready, 1);
+    }
     return false;
   }
   if (lane == 0) {
