@@ -226,17 +226,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
       params.tile_counter = tile_counter.data_ptr<int>();
     }
   }
-  // The D128 kernel splits its last tiles over keys (fwd_kernel.h: kStreamKTail).
-  if (use_sm90 && !causal && sm90_kernel_head_dim(bucket) == 128 && fwd_schedule_override() != "whole-tiles") {
+  // The D128 kernel (two consumers of 64 rows, blocks of sm90_fwd_block_n keys) splits its last tiles over keys
+  // (fwd_kernel.h: kStreamKTail): a workspace of 9.2 MB on 132 SMs, its flags zeroed per call.
+  constexpr int kSplitHeadDim = 128, kSplitBlockM = 128;
+  if (use_sm90 && !causal && sm90_kernel_head_dim(bucket) == kSplitHeadDim &&
+      fwd_schedule_override() != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-    const int64_t num_tiles = (s.len_q + 127) / 128 * s.heads * s.batch;
-    const int64_t num_n_blocks = (s.len_k + sm90_fwd_block_n(128, false) - 1) / sm90_fwd_block_n(128, false);
+    const int64_t num_tiles = (s.len_q + kSplitBlockM - 1) / kSplitBlockM * s.heads * s.batch;
+    const int block_n = sm90_fwd_block_n(kSplitHeadDim, false);
+    const int64_t num_n_blocks = (s.len_k + block_n - 1) / block_n;
     params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks));
     if (params.sk_tiles > 0) {
       const int64_t slots = static_cast<int64_t>(num_sms) * 2 * 4;  // CTA boundaries x consumers x warps
       const int64_t flag_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));
-      const int64_t partial_bytes =
-          slots * 32 * (128 / 2 + 4) * static_cast<int64_t>(sizeof(float));
+      const int64_t partial_bytes = slots * 32 * (kSplitHeadDim / 2 + 4) * static_cast<int64_t>(sizeof(float));
       stream_k_workspace = at::empty({flag_bytes + partial_bytes}, q.options().dtype(at::kByte));
       params.sk_flags = reinterpret_cast<int*>(stream_k_workspace.data_ptr());
       params.sk_partial = reinterpret_cast<float*>(static_cast<char*>(stream_k_workspace.data_ptr()) + flag_bytes);
