@@ -10,6 +10,9 @@
 //                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
 //                (A TMA store at a negative row fails with a CUDA error on the H200, NOTES.md v16, so the forward
 //                skips those O boxes.)
+//   merge_split_tile_probe: the stream-K merge of a tile split between two CTAs (fwd_kernel.h, merge_split_tile) for
+//                one warp's rows at D128, with the part holding the tile's first key blocks taking the lock first or
+//                second: the merged result must be the same bit for bit.
 #include <torch/extension.h>
 
 #include "cuda/sm80/ptx.h"
@@ -300,6 +303,48 @@ std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, tor
   return {out, lse};
 }
 
+// CTA b holds part b (0: the tile's first key blocks) of one warp's rows: parts[b][i][lane] for the 64 O values,
+// then 2 row maxima and 2 row sums. The part named by `second_part_first` takes the lock first (the other waits for
+// it); the one that merges writes its O, row maxima and row sums to `merged` in the same layout.
+__global__ void __launch_bounds__(32) merge_split_tile_kernel(const float* parts, float scale_log2,
+                                                              bool second_part_first, int* flags, float* partial,
+                                                              float* merged) {
+  constexpr int kSums = 64;
+  const int lane = threadIdx.x, part = blockIdx.x;
+  const float* const src = parts + part * (kSums + 4) * 32;
+  float o[kSums], row_max[2], row_sum[2];
+  for (int i = 0; i < kSums; ++i) o[i] = src[i * 32 + lane];
+  for (int h = 0; h < 2; ++h) {
+    row_max[h] = src[(kSums + h) * 32 + lane];
+    row_sum[h] = src[(kSums + 2 + h) * 32 + lane];
+  }
+  if (part != (second_part_first ? 1 : 0)) {  // the later one: wait until the other holds the lock
+    if (lane == 0) {
+      while (*static_cast<volatile int*>(flags) == 0) __nanosleep(64);
+    }
+    __syncwarp();
+  }
+  if (flashattn::sm90::merge_split_tile<128>(o, row_max, row_sum, scale_log2, part == 0, flags, flags + 1, partial,
+                                             lane)) {
+    for (int i = 0; i < kSums; ++i) merged[i * 32 + lane] = o[i];
+    for (int h = 0; h < 2; ++h) {
+      merged[(kSums + h) * 32 + lane] = row_max[h];
+      merged[(kSums + 2 + h) * 32 + lane] = row_sum[h];
+    }
+  }
+}
+
+// parts: (2, 68, 32) float32, contiguous (merge_split_tile_kernel). Returns the merged (68, 32).
+torch::Tensor merge_split_tile_probe(torch::Tensor parts, double scale_log2, bool second_part_first) {
+  auto flags = torch::zeros({2}, parts.options().dtype(torch::kInt));
+  auto partial = torch::empty({68, 32}, parts.options());
+  auto merged = torch::full({68, 32}, std::nanf(""), parts.options());
+  merge_split_tile_kernel<<<2, 32>>>(parts.data_ptr<float>(), static_cast<float>(scale_log2), second_part_first,
+                                     flags.data_ptr<int>(), partial.data_ptr<float>(), merged.data_ptr<float>());
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "merge_split_tile_probe launch failed");
+  return merged;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -308,4 +353,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("transposed_a_probe", &transposed_a_probe);
   m.def("attention_probe", &attention_probe);
   m.def("tma_negative_rows_probe", &tma_negative_rows_probe);
+  m.def("merge_split_tile_probe", &merge_split_tile_probe);
 }

@@ -1,6 +1,7 @@
 """GPU check of the Hopper building blocks in csrc/cuda/sm90 (wgmma descriptors and wrappers, TMA, mbarriers),
 one piece at a time, before the sm90 forward (issue 4) and backward (issue 3) kernels rely on them. Builds
 tests/sm90_probe.cu for sm_90a at test time; skipped without a Hopper GPU."""
+import math
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,34 @@ def test_tma_load_zero_fills_rows_before_zero(probe, row):
     expected = torch.zeros(64, 64, dtype=torch.bfloat16)
     expected[64 - valid:] = x[0, 1, :valid].cpu()
     assert torch.equal(loaded.cpu(), swizzle_128b(expected))
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_stream_k_merge_is_the_same_whichever_part_takes_the_lock_first(probe):
+    # The D128 forward without a mask splits its last tiles over keys between two CTAs; the warp that finishes
+    # second merges (fwd_kernel.h, merge_split_tile). In the kernel the part with the first key blocks nearly always
+    # merges, so this forces both orders: the result must not depend on it, and must match the merge rule: each
+    # part's O and row sums scaled by 2^(base - max base), base = row max * scale_log2.
+    torch.manual_seed(0)
+    parts = torch.randn(2, 68, 32, device="cuda")  # [part][64 O values, 2 row maxima, 2 row sums][lane]
+    parts[:, 64:66] *= 4.0
+    parts[:, 66:68] = parts[:, 66:68].abs() + 0.5
+    scale_log2 = 0.125 * math.log2(math.e)
+    first_part_first = probe.merge_split_tile_probe(parts, scale_log2, False)
+    second_part_first = probe.merge_split_tile_probe(parts, scale_log2, True)
+    torch.cuda.synchronize()
+    assert torch.equal(first_part_first, second_part_first)
+    parts = parts.double().cpu()
+    base = parts[:, 64:66] * scale_log2  # (2 parts, 2 rows, 32 lanes)
+    top = base.max(dim=0).values
+    weight = torch.exp2(base - top)
+    row = (torch.arange(64) // 2) % 2  # the accumulator's row of O value i (rescale_o)
+    expected = torch.empty(68, 32, dtype=torch.float64)
+    expected[:64] = parts[0, :64] * weight[0, row] + parts[1, :64] * weight[1, row]
+    expected[64:66] = top / scale_log2
+    expected[66:68] = parts[0, 66:68] * weight[0] + parts[1, 66:68] * weight[1]
+    torch.testing.assert_close(first_part_first.double().cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cuda
