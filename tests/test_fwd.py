@@ -356,6 +356,14 @@ def test_cuda_non_default_stream():
     assert_attention_close(out, lse, *src, causal=True)
 
 
+def fwd_with_schedule(monkeypatch, schedule, q, k, v, causal, scale=None):
+    """flashattn.fwd under FLASHATTN_FWD_SCHEDULE=schedule: out, lse and how many allocations the call made."""
+    monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out, lse = fwd(q, k, v, causal, scale)
+    return out, lse, torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
 def stream_k_tiles(num_tiles, grid, num_n_blocks):
     """csrc/cuda/launch.h sm90_stream_k_tiles: how many of the last tiles the non-causal Hopper forward splits."""
     rounds, rest = divmod(num_tiles, grid)
@@ -372,14 +380,14 @@ def stream_k_tiles(num_tiles, grid, num_n_blocks):
      (120, 1, 1100, 2300, None), (128, 2, 700, 2200, -0.05), (128, 1, 1100, 1037, None)],
 )
 def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, dtype):
-    # Without a mask the Hopper forward's D128 kernel splits its last tiles' key blocks between neighbouring CTAs,
-    # which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where
-    # a tile has at least 12 key blocks of 176. The heads make about 2.5 rounds of 128-row tiles on this GPU, so the
-    # last 1.5 rounds split. Keys: a narrow first block of 38 (2150), 88 (2200), 12 (2300) and 128 keys (4000, 23
-    # blocks), a full-width one of 150 (2438); D96 and D120 in the D128 kernel; two batches with a negative scale;
-    # 1037 keys (6 blocks) take whole tiles. GQA: two query heads per kv head. Checked against the reference, with and without the split
-    # (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in key
-    # order whichever CTA finishes second, so two runs agree bit for bit.
+    # Without a mask the Hopper forward's D128 kernel splits its last tiles' key blocks between neighbouring CTAs, which
+    # merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where a tile
+    # has at least 12 key blocks of 176. The heads make about 2.5 rounds of 128-row tiles on this GPU, so the last 1.5
+    # rounds split. Keys: a narrow first block of 38 (2150), 88 (2200), 12 (2300) and 128 keys (4000, 23 blocks), a
+    # full-width one of 150 (2438); D96 and D120 in the D128 kernel; two batches with a negative scale; 1037 keys (6
+    # blocks) take whole tiles. GQA: two query heads per kv head. Checked against the reference, with and without the
+    # split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in
+    # key order whichever CTA finishes second, so two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
     heads = 2 * -(-5 * num_sms // (4 * m_blocks * batch))
@@ -390,19 +398,12 @@ def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, d
     if hopper:
         assert split == (len_k > 11 * 176)
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
-
-    def run(schedule):
-        monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
-        before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        out, lse = fwd(q, k, v, False, scale)
-        allocations = torch.cuda.memory_stats()["allocation.all.allocated"] - before
-        assert_attention_close(out, lse, q, k, v, False, scale)
-        return out, lse, allocations
-
-    out, lse, split_allocations = run("auto")
-    again_out, again_lse, _ = run("auto")
+    out, lse, split_allocations = fwd_with_schedule(monkeypatch, "auto", q, k, v, False, scale)
+    assert_attention_close(out, lse, q, k, v, False, scale)
+    again_out, again_lse, _ = fwd_with_schedule(monkeypatch, "auto", q, k, v, False, scale)
     assert torch.equal(out, again_out) and torch.equal(lse, again_lse)
-    _, _, whole_allocations = run("whole-tiles")
+    whole_out, whole_lse, whole_allocations = fwd_with_schedule(monkeypatch, "whole-tiles", q, k, v, False, scale)
+    assert_attention_close(whole_out, whole_lse, q, k, v, False, scale)
     if hopper:
         assert split_allocations == whole_allocations + split
 
@@ -448,16 +449,9 @@ def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q,
     # On Hopper the causal tiles are handed out in static zigzag rounds or from a counter. A tile's result must not
     # depend on the CTA that computed it: both schedules give correct, bit-identical outputs over several rounds.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
-
-    def run(schedule):
-        monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", schedule)
-        before = torch.cuda.memory_stats()["allocation.all.allocated"]
-        out, lse = fwd(q, k, v, True)
-        return out, lse, torch.cuda.memory_stats()["allocation.all.allocated"] - before
-
-    out, lse, auto_allocations = run("auto")
+    out, lse, auto_allocations = fwd_with_schedule(monkeypatch, "auto", q, k, v, True)
     assert_attention_close(out, lse, q, k, v, causal=True)
-    out_counter, lse_counter, counter_allocations = run("counter")
+    out_counter, lse_counter, counter_allocations = fwd_with_schedule(monkeypatch, "counter", q, k, v, True)
     assert torch.equal(out, out_counter) and torch.equal(lse, lse_counter)
     monkeypatch.setenv("FLASHATTN_FWD_SCHEDULE", "static")
     try:

@@ -237,9 +237,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     const int64_t num_n_blocks = (s.len_k + block_n - 1) / block_n;
     params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks));
     if (params.sk_tiles > 0) {
-      const int64_t slots = static_cast<int64_t>(num_sms) * 2 * 4;  // CTA boundaries x consumers x warps
+      const int64_t slots = static_cast<int64_t>(num_sms) * kSm90StreamKSlotsPerCta;
       const int64_t flag_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));
-      const int64_t partial_bytes = slots * 32 * (kSplitHeadDim / 2 + 4) * static_cast<int64_t>(sizeof(float));
+      const int64_t partial_bytes =
+          slots * sm90_stream_k_partial_floats(kSplitHeadDim) * static_cast<int64_t>(sizeof(float));
       stream_k_workspace = at::empty({flag_bytes + partial_bytes}, q.options().dtype(at::kByte));
       params.sk_flags = reinterpret_cast<int*>(stream_k_workspace.data_ptr());
       params.sk_partial = reinterpret_cast<float*>(static_cast<char*>(stream_k_workspace.data_ptr()) + flag_bytes);

@@ -130,6 +130,11 @@ static_assert(sm90_stream_k_tiles(2048, 132, 12) == 200, "D128 L2k: 15 full roun
 static_assert(sm90_stream_k_tiles(2048, 132, 6) == 0, "D128 L1k: 6 key blocks");
 static_assert(sm90_stream_k_tiles(2048, 128, 12) == 0, "whole rounds");
 static_assert(sm90_stream_k_tiles(200, 132, 12) == 0, "no earlier round");
+// Its workspace (FwdParams::sk_flags, sk_partial): a slot per CTA boundary, consumer (two) and warp (four); a slot's
+// partial holds 32 lanes x (D / 2 O values, 2 row bases, 2 row sums) floats, and its flags a lock and a ready word.
+constexpr int kSm90StreamKSlotsPerCta = 2 * 4;
+constexpr int sm90_stream_k_slot(int boundary, int consumer, int warp) { return (boundary * 2 + consumer) * 4 + warp; }
+constexpr int64_t sm90_stream_k_partial_floats(int head_dim) { return 32 * (head_dim / 2 + 4); }
 
 namespace sm90 {
 template <typename T, int HeadDim, bool kCausal>

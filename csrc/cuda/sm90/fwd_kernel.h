@@ -833,9 +833,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (Traits::kStreamKTail) {
       if (n_begin > 0 || n_end < num_n_blocks) {
         const int boundary = static_cast<int>(blockIdx.x) - (n_begin > 0 ? 1 : 0);  // the CTA with blocks 0 ..
-        const int slot = (boundary * 2 + consumer) * 4 + warp;
-        const int slots = static_cast<int>(gridDim.x) * 2 * 4;
-        float* const partial = p.sk_partial + static_cast<int64_t>(slot) * 32 * (kHeadDim / 2 + 4);
+        const int slot = sm90_stream_k_slot(boundary, consumer, warp);
+        const int slots = static_cast<int>(gridDim.x) * kSm90StreamKSlotsPerCta;
+        float* const partial = p.sk_partial + slot * sm90_stream_k_partial_floats(kHeadDim);
         store_o = merge_split_tile<kHeadDim>(o, softmax.row_max, softmax.row_sum, scale_log2, n_begin == 0,
                                              p.sk_flags + slot, p.sk_flags + slots + slot, partial, lane);
       }
