@@ -57,11 +57,11 @@ BLOCK_TIME_BY_CONSUMERS = {3: 1.0, 2: 0.9, 1: 0.65}
 def head_time(length: int, end_aligned: bool, rows: int = 192, block_n: int = 128) -> float:
     """One head's causal time in full-block units, three consumers of 64 rows, Lq == Lk; each consumer computes the
     key blocks its own rows see (kSkipUnseenBlocks) and one without rows nothing (kSkipRowlessConsumers). Tiles start
-    at 0 (v15) or end at Lq (v16: the part-empty tile first; the kernel rounds to 16 rows, which this ignores)."""
+    at 0 (v15) or end at Lq (v16: the part-empty tile first, as first_row places it)."""
     num_m_blocks = -(-length // rows)
     total = 0.0
     for m in range(num_m_blocks):
-        start = length - (num_m_blocks - m) * rows if end_aligned else m * rows
+        start = first_row(m, num_m_blocks, length, rows) if end_aligned else m * rows
         blocks = []
         for c in range(rows // 64):
             first, last = start + 64 * c, min(start + 64 * c + 63, length - 1)
