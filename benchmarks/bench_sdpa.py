@@ -10,7 +10,8 @@ Usage (from the repository root):
 Every configuration gets fresh random inputs; our op, each SDPA backend (pinned with
 torch.nn.attention.sdpa_kernel) and the naive path (softmax(Q K^T) V in the input dtype, scores materialised)
 are then timed side by side in this process: triton.testing.do_bench medians on the GPU (CUDA events when triton
-is missing), perf_counter medians on the CPU. A backend that rejects a configuration shows '-'; so does the naive
+is missing), perf_counter medians on the CPU, in --rounds interleaved rounds (ours, each backend, ours, ...) whose
+median is kept, so that the card's drift between measurements touches every implementation alike. A backend that rejects a configuration shows '-'; so does the naive
 path when its score matrix would exceed --naive-mem-gib.
 
 FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
@@ -257,18 +258,45 @@ def peak_memory_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def measure(impl: str, q, k, v, config: Config, make_fn, timer, device: str) -> Measurement:
-    try:
-        fn, flops_multiplier = make_fn(impl, q, k, v, config.causal)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # SDPA explains each refusal in a UserWarning; we keep the error
-            fn()  # raises here if the implementation rejects the configuration
-        ms = timer(fn)
-        mem = peak_memory_mib(fn) if device == "cuda" else None
-    except Exception as exc:  # an unsupported configuration (or an OOM) becomes '-' in the table
-        release_cuda_memory(device)
-        return Measurement(error=short_error(exc))
-    return Measurement(ms=ms, tflops=config.forward_flops() * flops_multiplier / (ms * 1e-3) / 1e12, mem_mib=mem)
+def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: str,
+            rounds: int) -> Dict[str, Measurement]:
+    """Time each implementation `rounds` times, interleaved (ours, flash, cudnn, ours, ...), and keep the median: a
+    card's speed drifts between measurements seconds apart, and interleaving spreads that drift over all of them."""
+    results: Dict[str, Measurement] = {}
+    prepared: Dict[str, Tuple[Callable[[], object], float]] = {}
+    for impl in impls:
+        try:
+            fn, flops_multiplier = make_fn(impl, q, k, v, config.causal)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # SDPA explains each refusal in a UserWarning; we keep the error
+                fn()  # raises here if the implementation rejects the configuration
+            prepared[impl] = fn, flops_multiplier
+        except Exception as exc:  # an unsupported configuration (or an OOM) becomes '-' in the table
+            release_cuda_memory(device)
+            results[impl] = Measurement(error=short_error(exc))
+    times: Dict[str, List[float]] = {impl: [] for impl in prepared}
+    for _ in range(rounds):
+        for impl, (fn, _) in prepared.items():
+            if impl in results:
+                continue  # failed in an earlier round
+            try:
+                times[impl].append(timer(fn))
+            except Exception as exc:
+                release_cuda_memory(device)
+                results[impl] = Measurement(error=short_error(exc))
+    for impl, (fn, flops_multiplier) in prepared.items():
+        if impl in results:
+            continue
+        try:
+            mem = peak_memory_mib(fn) if device == "cuda" else None
+        except Exception as exc:
+            release_cuda_memory(device)
+            results[impl] = Measurement(error=short_error(exc))
+            continue
+        ms = statistics.median(times[impl])
+        results[impl] = Measurement(ms=ms, tflops=config.forward_flops() * flops_multiplier / (ms * 1e-3) / 1e12,
+                                    mem_mib=mem)
+    return results
 
 
 def reference_output(q, k, v, causal: bool, math_budget_bytes: float) -> Tuple[Optional[torch.Tensor], str]:
@@ -307,12 +335,13 @@ def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
     budget = args.naive_mem_gib * 2**30
     row = Row(config)
     check_correctness(row, q, k, v, budget)
-    for impl in impls:
-        if impl == "naive" and config.score_bytes(q.element_size()) > budget:
-            gib = config.score_bytes(q.element_size()) / 2**30
-            row.results[impl] = Measurement(error=f"skipped: scores {gib:.3g} GiB > --naive-mem-gib")
-            continue
-        row.results[impl] = measure(impl, q, k, v, config, make_fn, timer, args.device)
+    timed = list(impls)
+    if "naive" in impls and config.score_bytes(q.element_size()) > budget:
+        gib = config.score_bytes(q.element_size()) / 2**30
+        timed.remove("naive")
+        row.results["naive"] = Measurement(error=f"skipped: scores {gib:.3g} GiB > --naive-mem-gib")
+    row.results.update(measure(timed, q, k, v, config, make_fn, timer, args.device, args.rounds))
+    row.results = {impl: row.results[impl] for impl in impls}  # table order
     del q, k, v
     release_cuda_memory(args.device)
     return row
@@ -407,7 +436,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         flashattn_ext=getattr(flashattn_ext, "__version__", None),
         flashattn_ext_path=getattr(flashattn_ext, "__file__", None),
         git_commit=git_commit(),
-        dtypes=args.dtypes, mode=args.mode, timer=timer_name, naive_mem_gib=args.naive_mem_gib,
+        dtypes=args.dtypes, mode=args.mode, timer=timer_name, rounds=args.rounds, naive_mem_gib=args.naive_mem_gib,
         tokens=args.tokens, hidden=args.hidden,
     )
 
@@ -586,6 +615,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--naive-mem-gib", type=float, default=8.0,
                         help="skip the naive path when its score matrix exceeds this many GiB (0: never run it); "
                              "also bounds the math-backend reference of the correctness check")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timings per implementation, interleaved across implementations; the median is kept")
     parser.add_argument("--quick", action="store_true", help="a small subset of the grid, for smoke tests")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the CSV, JSON and PNG")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -598,6 +629,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU visible")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     defaults = dict(GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS)
     if args.quick:
         defaults.update(GPU_QUICK if args.device == "cuda" else CPU_QUICK)
