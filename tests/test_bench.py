@@ -1,0 +1,61 @@
+"""benchmarks/bench_sdpa.py: the interleaved timing rounds, and the CPU variant end to end (CSV and JSON)."""
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sdpa.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_sdpa", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through the module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_measure_interleaves_the_rounds_and_keeps_each_median(bench):
+    # Each implementation is timed once per round, in turn, so a drift of the card touches all alike; a rejected
+    # implementation becomes an error, not a timing.
+    timings = {"a": [3.0, 1.0, 2.0], "b": [5.0, 9.0, 4.0]}
+    order = []
+
+    def make_fn(impl, q, k, v, causal):
+        if impl == "rejected":
+            raise RuntimeError("unsupported configuration")
+        return (lambda: impl), 2.0
+
+    def timer(fn):
+        impl = fn()
+        order.append(impl)
+        return timings[impl][order.count(impl) - 1]
+
+    config = bench.Config("fp32", 32, False, 128, 2, 4)
+    results = bench.measure(["a", "rejected", "b"], None, None, None, config, make_fn, timer, "cpu", rounds=3)
+    assert order == ["a", "b"] * 3
+    assert (results["a"].ms, results["b"].ms) == (2.0, 5.0)
+    assert results["a"].tflops == pytest.approx(config.forward_flops() * 2.0 / 2e-3 / 1e12)
+    assert results["rejected"].error.startswith("RuntimeError: unsupported configuration")
+    assert results["rejected"].ms is None
+
+
+def test_cpu_variant_writes_its_rows_and_rounds(bench, tmp_path):
+    bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--causal", "on", "--backends", "math",
+                "--tokens", "128", "--hidden", "64", "--rounds", "2", "--no-plot", "--out", str(tmp_path)])
+    rows = list(csv.DictReader((tmp_path / "bench_sdpa_cpu_fwd.csv").open()))
+    assert len(rows) == 1 and rows[0]["seqlen"] == "64" and rows[0]["causal"] == "True"
+    assert float(rows[0]["ours_ms"]) > 0 and float(rows[0]["math_ms"]) > 0
+    assert rows[0]["diff_ok"] == "True"
+    meta = json.loads((tmp_path / "bench_sdpa_cpu_fwd.json").read_text())["metadata"]
+    assert meta["rounds"] == 2
+
+
+def test_rounds_must_be_positive(bench):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--rounds", "0"])
