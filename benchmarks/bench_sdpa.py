@@ -11,8 +11,8 @@ Every configuration gets fresh random inputs; our op, each SDPA backend (pinned 
 torch.nn.attention.sdpa_kernel) and the naive path (softmax(Q K^T) V in the input dtype, scores materialised)
 are then timed side by side in this process: triton.testing.do_bench medians on the GPU (CUDA events when triton
 is missing), perf_counter medians on the CPU, in --rounds interleaved rounds (ours, each backend, ours, ...) whose
-median is kept, so that the card's drift between measurements touches every implementation alike. A backend that rejects a configuration shows '-'; so does the naive
-path when its score matrix would exceed --naive-mem-gib.
+median is kept, so that the card's drift between measurements touches every implementation alike. A backend that
+rejects a configuration shows '-'; so does the naive path when its score matrix would exceed --naive-mem-gib.
 
 FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
 above the inputs (CUDA only) and the max abs difference between our output and SDPA's (flash backend, else math).
@@ -261,41 +261,40 @@ def peak_memory_mib(fn: Callable[[], object]) -> float:
 def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: str,
             rounds: int) -> Dict[str, Measurement]:
     """Time each implementation `rounds` times, interleaved (ours, flash, cudnn, ours, ...), and keep the median: a
-    card's speed drifts between measurements seconds apart, and interleaving spreads that drift over all of them."""
+    card's speed drifts between measurements seconds apart, and interleaving spreads that drift over all of them.
+    An implementation that raises (an unsupported configuration, an OOM) gets an error, shown as '-'."""
     results: Dict[str, Measurement] = {}
-    prepared: Dict[str, Tuple[Callable[[], object], float]] = {}
-    for impl in impls:
+
+    def attempt(impl: str, step: Callable[[], object]):
         try:
-            fn, flops_multiplier = make_fn(impl, q, k, v, config.causal)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # SDPA explains each refusal in a UserWarning; we keep the error
-                fn()  # raises here if the implementation rejects the configuration
-            prepared[impl] = fn, flops_multiplier
-        except Exception as exc:  # an unsupported configuration (or an OOM) becomes '-' in the table
-            release_cuda_memory(device)
-            results[impl] = Measurement(error=short_error(exc))
-    times: Dict[str, List[float]] = {impl: [] for impl in prepared}
-    for _ in range(rounds):
-        for impl, (fn, _) in prepared.items():
-            if impl in results:
-                continue  # failed in an earlier round
-            try:
-                times[impl].append(timer(fn))
-            except Exception as exc:
-                release_cuda_memory(device)
-                results[impl] = Measurement(error=short_error(exc))
-    for impl, (fn, flops_multiplier) in prepared.items():
-        if impl in results:
-            continue
-        try:
-            mem = peak_memory_mib(fn) if device == "cuda" else None
+            return step()
         except Exception as exc:
             release_cuda_memory(device)
             results[impl] = Measurement(error=short_error(exc))
+            return None
+
+    def prepare(impl: str):
+        fn, flops_multiplier = make_fn(impl, q, k, v, config.causal)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SDPA explains each refusal in a UserWarning; we keep the error
+            fn()  # raises here if the implementation rejects the configuration
+        return fn, flops_multiplier
+
+    prepared = {impl: attempt(impl, lambda: prepare(impl)) for impl in impls}
+    times: Dict[str, List[float]] = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl in impls:
+            if impl not in results:
+                times[impl].append(attempt(impl, lambda: timer(prepared[impl][0])))
+    for impl in impls:
+        if impl in results:
             continue
-        ms = statistics.median(times[impl])
-        results[impl] = Measurement(ms=ms, tflops=config.forward_flops() * flops_multiplier / (ms * 1e-3) / 1e12,
-                                    mem_mib=mem)
+        fn, flops_multiplier = prepared[impl]
+        mem = attempt(impl, lambda: peak_memory_mib(fn)) if device == "cuda" else None
+        if impl not in results:
+            ms = statistics.median(times[impl])
+            results[impl] = Measurement(ms=ms, tflops=config.forward_flops() * flops_multiplier / (ms * 1e-3) / 1e12,
+                                        mem_mib=mem)
     return results
 
 
