@@ -226,21 +226,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
       params.tile_counter = tile_counter.data_ptr<int>();
     }
   }
-  // The D128 kernel (two consumers of 64 rows, blocks of sm90_fwd_block_n keys) splits its last tiles over keys
-  // (fwd_kernel.h: kStreamKTail): a workspace of 9.2 MB on 132 SMs, its flags zeroed per call.
-  constexpr int kSplitHeadDim = 128, kSplitBlockM = 128;
-  if (use_sm90 && !causal && sm90_kernel_head_dim(bucket) == kSplitHeadDim &&
-      fwd_schedule_override() != "whole-tiles") {
+  // The D128 kernel without a mask splits its last tiles over keys (launch.h: sm90_fwd_stream_k; fwd_kernel.h:
+  // kStreamKTail): a workspace of 9.2 MB on 132 SMs, its flags zeroed per call.
+  const int kernel_head_dim = sm90_kernel_head_dim(bucket);
+  if (use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) && fwd_schedule_override() != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-    const int64_t num_tiles = (s.len_q + kSplitBlockM - 1) / kSplitBlockM * s.heads * s.batch;
-    const int block_n = sm90_fwd_block_n(kSplitHeadDim, false);
+    const int64_t num_tiles = (s.len_q + kSm90StreamKBlockM - 1) / kSm90StreamKBlockM * s.heads * s.batch;
+    const int block_n = sm90_fwd_block_n(kernel_head_dim, causal);
     const int64_t num_n_blocks = (s.len_k + block_n - 1) / block_n;
     params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks));
     if (params.sk_tiles > 0) {
       const int64_t slots = static_cast<int64_t>(num_sms) * kSm90StreamKSlotsPerCta;
       const int64_t flag_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));
       const int64_t partial_bytes =
-          slots * sm90_stream_k_partial_floats(kSplitHeadDim) * static_cast<int64_t>(sizeof(float));
+          slots * sm90_stream_k_partial_floats(kernel_head_dim) * static_cast<int64_t>(sizeof(float));
       stream_k_workspace = at::empty({flag_bytes + partial_bytes}, q.options().dtype(at::kByte));
       params.sk_flags = reinterpret_cast<int*>(stream_k_workspace.data_ptr());
       params.sk_partial = reinterpret_cast<float*>(static_cast<char*>(stream_k_workspace.data_ptr()) + flag_bytes);

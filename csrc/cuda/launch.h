@@ -119,8 +119,10 @@ constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
 // tile long, so a tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule).
 // Returns how many tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or
 // a tile has fewer than 12 key blocks. Measured against whole tiles (NOTES.md, v17, five rounds over two calls), D128
-// L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (L1k: 6 key blocks of 176). The D128 kernel only
-// (fwd_kernel.h: kStreamKTail), whose grid is the SM count (sm90_static_grid).
+// L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (L1k: 6 key blocks of 176). Only in the kernels
+// sm90_fwd_stream_k names (fwd_kernel.h, kStreamKTail, says why), whose grid is the SM count (sm90_static_grid).
+constexpr bool sm90_fwd_stream_k(int head_dim, bool causal) { return head_dim == 128 && !causal; }
+constexpr int kSm90StreamKBlockM = 128;  // that kernel's tile height (two consumers of 64 rows)
 constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks) {
   const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
   if (num_n_blocks < 12 || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;

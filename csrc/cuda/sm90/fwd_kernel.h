@@ -71,7 +71,8 @@ struct FwdTraits {
   // merged by whichever finishes second (launch.h, sm90_stream_k_tiles; StaticSchedule, merge_split_tile). At D128
   // only: at D256 the schedule's state and the merge spill the consumers (156-168 bytes, some in the key loop); the
   // three-consumer D64 kernel's grid spreads its short tiles instead.
-  static constexpr bool kStreamKTail = !Causal && HeadDim == 128;
+  static constexpr bool kStreamKTail = sm90_fwd_stream_k(HeadDim, Causal);
+  static_assert(!kStreamKTail || kBlockM == kSm90StreamKBlockM, "flash_api sizes the split with kSm90StreamKBlockM");
   // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
   // with two consumers (L_q or L_k below 1024): +2-4% at L 512-1k (NOTES.md, v13, when L1k still took two
   // consumers). A third stage measured neutral in the three-consumer causal D64 kernel (v13 and v14, L 1k-4k), 1-2%
@@ -157,16 +158,16 @@ struct FwdTraits {
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
-  // A shared buffer is handed on by mbarrier parity, which cannot tell a phase from the one two uses back. With two
-  // consumers that phase is the waiter's own previous use, and the ping-pong barrier (all of a consumer's threads in
-  // every tile) guarantees all four of its warps arrived for it; with three it could be another consumer's pending use.
+  // A shared buffer is handed on warp by warp (each warp stages and stores only its own 16 rows) by mbarrier parity,
+  // which cannot tell a phase from the one two uses back. With two consumers that phase is the waiting warp's own
+  // previous use, which it released before it waits (release_staged_o); with three it could be another consumer's.
   static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
   static_assert(!kSkipRowlessConsumers || kOBuffers != 1, "a consumer without rows skips the O buffer's hand-over");
   // A consumer's rows end kBlockM - 64 keys before its tile's, so it skips at most this many blocks. It passes them
   // before it releases its last V stage: were that many to reach its last stage again, that load would wait for it.
   static_assert(!kSkipUnseenBlocks || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
                 "a consumer would skip as many key blocks as there are stages");
-  static_assert((2 * kQStages * kQParts + 4 * kStages + kOBuffers + 4) * 8 + 3 * 4 <= 256,
+  static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + 4) * 8 + 3 * 4 <= 256,
                 "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -186,7 +187,7 @@ struct SharedStorage {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
-  uint64_t* o_free;       // [kOBuffers]: the TMA stores have read the staged O
+  uint64_t* o_free;       // [kOBuffers][4]: the TMA stores have read warp w's staged rows
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
@@ -205,7 +206,7 @@ struct SharedStorage {
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
     o_free = v_empty + Traits::kStages;
-    tile_full = o_free + Traits::kOBuffers;
+    tile_full = o_free + 4 * Traits::kOBuffers;
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
@@ -525,7 +526,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.k_empty[s], kConsumerThreads);  // every consumer thread arrives once it has read the stage
       mbarrier_init(&smem.v_empty[s], kConsumerThreads);
     }
-    for (int b = 0; b < Traits::kOBuffers; ++b) mbarrier_init(&smem.o_free[b], 4);  // each warp of the user
+    for (int b = 0; b < 4 * Traits::kOBuffers; ++b) mbarrier_init(&smem.o_free[b], 1);  // the warp's lane 0
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
       mbarrier_init(&smem.tile_empty[slot], kConsumerThreads);
@@ -647,6 +648,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int q_loads = 0, kv_loads = 0;
   [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
 
+  // A warp's staged O rows are released (its o_free barrier) once the TMA stores have read them. That read is waited
+  // for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile starts.
+  // Measured at locked clocks (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal;
+  // within +-0.6% where the two consumers share one buffer (the other consumer then waits longer for it).
+  bool o_staged = false;
+  const auto release_staged_o = [&] {
+    if constexpr (Traits::kOBuffers > 0) {
+      if (o_staged && lane == 0) {
+        bulk_wait_group_read<0>();
+        mbarrier_arrive(&smem.o_free[4 * (Traits::kOBuffers == 1 ? 0 : consumer) + warp]);
+      }
+      o_staged = false;
+    }
+  };
   int index = blockIdx.x;
   StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);  // with kStreamKTail
   for (int j = 0;; ++j) {
@@ -682,6 +697,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
       }
       for (int row = m_first + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
+      release_staged_o();
       continue;
     }
     const int num_n_blocks = tile.num_n_blocks;
@@ -714,6 +730,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (!Traits::kOInQ || lane == 0) mbarrier_arrive(&smem.q_empty[q_barrier]);
         pass_blocks(n_begin);
         kv_loads += n_end - n_begin;
+        release_staged_o();
         continue;
       }
     }
@@ -762,19 +779,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (first_keys <= 64) {
         issue_qk<T, Traits, 64>(s, q_rows, k_first);
         pass_turn();
+        release_staged_o();
         wgmma_wait<0>();
       } else if (first_keys <= 128) {
         issue_qk<T, Traits, 128>(s, q_rows, k_first);
         pass_turn();
+        release_staged_o();
         wgmma_wait<0>();
       } else {
         issue_qk<T, Traits>(s, q_rows, k_first);
         pass_turn();
+        release_staged_o();
         wgmma_wait<0>();
       }
     } else {
       issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(n_begin)));
       pass_turn();
+      release_staged_o();
       wgmma_wait<0>();
     }
     wgmma_fence_registers(s);
@@ -862,14 +883,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // the buffer is this consumer's rows of Q, handed back to the producer once stored.
       constexpr int kSubTile = Traits::kOInQ ? Traits::kSubTileQ : Traits::kSubTileO;  // between 64-column sub-tiles
       T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
-      uint64_t* released = &smem.q_empty[q_barrier];  // arrived on once the TMA stores have read the staged O
       if constexpr (!Traits::kOInQ) {
         const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
         const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
         ++o_stores;
-        if (use > 0) mbarrier_wait(&smem.o_free[buffer], (use - 1) & 1);
+        // The previous use of this warp's rows released (a fresh barrier's phase before its first counts as done).
+        mbarrier_wait(&smem.o_free[4 * buffer + warp], (use & 1) ^ 1);
         staging = smem.o_buffer(buffer);
-        released = &smem.o_free[buffer];
       }
       T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
@@ -899,9 +919,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
         bulk_commit_group();
-        bulk_wait_group_read<0>();  // the buffer may be written again
-        mbarrier_arrive(released);
+        if constexpr (Traits::kOInQ) {
+          bulk_wait_group_read<0>();  // Q's rows may be loaded again
+          mbarrier_arrive(&smem.q_empty[q_barrier]);
+        }
       }
+      o_staged = !Traits::kOInQ;  // released by release_staged_o
     } else {
       // Direct 4-byte stores (rows past Lq and columns past D skipped).
       T* const o_base = tile.template out<T>(p);
@@ -921,6 +944,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
   }
+  release_staged_o();
   if constexpr (Traits::kPingPong) {
     if (consumer == 0) named_barrier_sync(1, 256);  // the last consumer's final hand-over
   }
