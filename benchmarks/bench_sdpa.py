@@ -451,9 +451,11 @@ def cpu_name() -> str:
 
 
 def git_commit() -> Optional[str]:
+    """The checkout's commit, with "-dirty" where tracked files differ from it (the results are then not that
+    commit's)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
