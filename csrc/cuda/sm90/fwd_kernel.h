@@ -25,7 +25,8 @@
 //
 // Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA
 // (kOBuffers, or the consumer's own rows of Q where no buffer fits: kOInQ; direct 4-byte stores at D64 without a
-// mask, where staging does not pay); lse from registers.
+// mask, where staging does not pay); lse from registers. A warp's staged rows are released (o_free, one barrier per
+// warp) once the store has read them, which it waits for after issuing the next tile's first S GEMM.
 #pragma once
 
 #include <cuda.h>
