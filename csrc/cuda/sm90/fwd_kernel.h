@@ -260,6 +260,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint3
 // and in 16-bit P) and O needs rescaling only on blocks where some row moved; update returns whether one of the
 // thread's rows did. After the first blocks of a row that is rare.
 inline constexpr float kLazyRescaleLog2 = 8.f;
+// The exponentials' base in log2 units for a row whose reference max is `reference`: 0 for a row that has seen no key
+// (-inf), so its exponentials stay 0 rather than NaN.
+__device__ __forceinline__ float softmax_base_log2(float reference, float scale_log2) {
+  return reference == -INFINITY ? 0.f : reference * scale_log2;
+}
 template <int kBlockN>
 struct RowSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};
@@ -295,7 +300,7 @@ struct RowSoftmax {
       // From -inf any finite max moves it; -inf to -inf (a row with no key yet) does not (NaN compares false).
       const bool move = !kLazy || (block_max - row_max[h]) * scale_log2 > kLazyRescaleLog2;
       const float reference = move ? block_max : row_max[h];
-      const float base = reference == -INFINITY ? 0.f : reference * scale_log2;
+      const float base = softmax_base_log2(reference, scale_log2);
       rescale[h] = move ? sm80::fast_exp2(row_max[h] * scale_log2 - base) : 1.f;
       row_max[h] = reference;
       moved |= move;
@@ -442,7 +447,7 @@ __device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], 
   first = __shfl_sync(0xffffffff, first, 0);
   float base[2];  // log2 units: the reference each part's O and sums are relative to (RowSoftmax)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) base[h] = row_max[h] == -INFINITY ? 0.f : row_max[h] * scale_log2;
+  for (int h = 0; h < 2; ++h) base[h] = softmax_base_log2(row_max[h], scale_log2);
   if (first) {
 #pragma unroll
     for (int i = 0; i < kSums; ++i) __stcg(partial + i * 32 + lane, o[i]);
