@@ -236,6 +236,18 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (256, False), (256, True), (128, True), (64, True)])
+@pytest.mark.parametrize("len_k", [40, 176, 300])
+def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
+    # Several tiles per CTA with one or two key blocks each (under the causal mask many see none): a consumer reaches
+    # its next epilogue soon after its last, whose staged O it releases only after the next tile's first S GEMM is
+    # issued (fwd_kernel.h, release_staged_o). D128 and D256 without a mask and D256 causal (64-key blocks at these
+    # lengths) share one buffer, handed on warp by warp by parity; D128 and D64 causal have one per consumer.
+    q, k, v = make_qkv(4, 16, 8, 1000, len_k, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [256, 200])
 @pytest.mark.parametrize(
     "causal,batch,heads,len_q,len_k",
