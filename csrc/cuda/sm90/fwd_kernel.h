@@ -653,6 +653,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
   [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
+  // Its staging buffer (kOBuffers > 0): its own, or the one the two consumers share.
+  [[maybe_unused]] const int o_buffer = Traits::kOBuffers == 1 ? 0 : consumer;
 
   // A warp's staged O rows are released (its o_free barrier) once the TMA stores have read them. That read is waited
   // for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile starts.
@@ -663,7 +665,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (Traits::kOBuffers > 0) {
       if (o_staged && lane == 0) {
         bulk_wait_group_read<0>();
-        mbarrier_arrive(&smem.o_free[4 * (Traits::kOBuffers == 1 ? 0 : consumer) + warp]);
+        mbarrier_arrive(&smem.o_free[4 * o_buffer + warp]);
       }
       o_staged = false;
     }
@@ -890,12 +892,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       constexpr int kSubTile = Traits::kOInQ ? Traits::kSubTileQ : Traits::kSubTileO;  // between 64-column sub-tiles
       T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
       if constexpr (!Traits::kOInQ) {
-        const int buffer = Traits::kOBuffers == 1 ? 0 : consumer;
         const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
         ++o_stores;
         // The previous use of this warp's rows released (a fresh barrier's phase before its first counts as done).
-        mbarrier_wait(&smem.o_free[4 * buffer + warp], (use & 1) ^ 1);
-        staging = smem.o_buffer(buffer);
+        mbarrier_wait(&smem.o_free[4 * o_buffer + warp], (use & 1) ^ 1);
+        staging = smem.o_buffer(o_buffer);
       }
       T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
