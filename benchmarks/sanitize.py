@@ -15,10 +15,10 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 2, 2, 200, 33, 96, True),  # rows without keys
     (2, 12, 6, 1300, 1300, 64, True),  # 264 causal tiles: two zigzag rounds per CTA on the Hopper forward
     (2, 12, 6, 1300, 300, 128, True),  # the same with 7 of each head's 11 tiles seeing no key
-    (4, 16, 4, 1000, 300, 120, False),  # 512 tiles: the Hopper forward's consumers take turns on one O buffer
+    (4, 16, 4, 1000, 300, 120, False),  # 512 tiles: O staged in one buffer and in the V stages
     (4, 8, 8, 1000, 200, 64, False),  # 192 tiles of three consumers; in each head's last, two without rows idle
-    (4, 8, 4, 1000, 1000, 256, True),  # 256 causal tiles at D256: one shared O buffer
-    (1, 2, 2, 100, 8300, 256, True),  # causal D256 over more than 2048 keys: 80-key blocks, O staged in Q rows
+    (4, 8, 4, 1000, 1000, 256, True),  # 256 causal tiles at D256: one O buffer and the V stages
+    (1, 2, 2, 100, 8300, 256, True),  # causal D256 over more than 2048 keys: 80-key blocks, O in Q rows and V
     (2, 8, 4, 2400, 2100, 256, True),  # 304 such tiles, two per head seeing no key
     (2, 4, 2, 300, 1000, 256, False),  # D256 up to 1024 keys: 64-key blocks, one shared O buffer
     (1, 2, 2, 30, 1100, 256, False),  # D256 over 1024 keys: 80-key blocks, O staged in Q rows; one consumer has no row

@@ -242,7 +242,9 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
     # Several tiles per CTA with one or two key blocks each (under the causal mask many see none): a consumer reaches
     # its next epilogue soon after its last, whose staged O it releases only after the next tile's first S GEMM is
     # issued (fwd_kernel.h, release_staged_o). D128 and D256 without a mask and D256 causal (64-key blocks at these
-    # lengths) share one buffer, handed on warp by warp by parity; D128 and D64 causal have one per consumer.
+    # lengths) stage the second consumer's O in the V stage of the tile's last block (kLastOInV), which the producer
+    # reloads only once that O has left, also where the next tile's one block lies in the other stage; D128 and D64
+    # causal have a buffer per consumer.
     q, k, v = make_qkv(4, 16, 8, 1000, len_k, head_dim, torch.bfloat16, "cuda")
     run_and_check(q, k, v, causal)
 
@@ -268,10 +270,10 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k, dtype):
     # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 1024 keys (2048 under a
-    # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks with O staged in each consumer's rows of Q
-    # above (kOInQ): both sides of each switch, and the 80-key kernels over several tiles per CTA, with a consumer
-    # that has no rows, and with tiles that see no key. Both kernels are correct on either side, so this
-    # checks results, not which kernel ran.
+    # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks above, with the first consumer's O staged in
+    # its rows of Q (kOInQ) and the second's in a V stage (kLastOInV): both sides of each switch, and the 80-key kernels
+    # over several tiles per CTA, with a consumer that has no rows, and with tiles that see no key. Both kernels are
+    # correct on either side, so this checks results, not which kernel ran.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal)
 

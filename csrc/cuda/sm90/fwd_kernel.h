@@ -7,10 +7,10 @@
 // producer: one thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle;
 // rows outside 0 .. L - 1 and columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q
 // buffer where kQStages = 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a
-// "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the part's consumer
-// has stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a causal mask
-// launch.h's sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's intra-warpgroup
-// overlap):
+// "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the first consumer's
+// part once it has stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a
+// causal mask launch.h's sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's
+// intra-warpgroup overlap):
 //
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
@@ -23,10 +23,12 @@
 // only the key blocks its own rows see (kSkipUnseenBlocks); with three consumers one without rows computes nothing
 // (kSkipRowlessConsumers); both take empty turns for the blocks they skip.
 //
-// Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA
-// (kOBuffers, or the consumer's own rows of Q where no buffer fits: kOInQ; direct 4-byte stores at D64 without a
-// mask, where staging does not pay); lse from registers. A warp's staged rows are released (o_free, one barrier per
-// warp) once the store has read them, which it waits for after issuing the next tile's first S GEMM.
+// Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA; lse
+// from registers. The staging buffer: a buffer per consumer where shared memory has room (kOBuffers); else the last
+// consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, or its
+// own rows of Q (kOInQ); direct 4-byte stores at D64 without a mask, where staging does not pay. A warp's staged rows
+// are released (o_free, o_in_v_free) once the store has read them, which it waits for after issuing the next tile's
+// first S GEMM.
 #pragma once
 
 #include <cuda.h>
@@ -96,8 +98,7 @@ struct FwdTraits {
   // with kSkipUnseenBlocks +5-6% at L 2k-4k and +3% at 8k in the three-consumer causal D64 kernel (the skip alone:
   // +1.5-2.7%). Without a mask it pays only on a grid that spreads the short tiles over the CTAs (launch.h,
   // sm90_static_grid; v15: +6.1% at L1k, +0.6% / +1.8% at 2k / 4k; v14 measured -1.5% to +0.5% on 132 CTAs, where each
-  // CTA got the same query block of every head). Not with a shared O buffer, whose hand-over it would have to take part
-  // in.
+  // CTA got the same query block of every head). Not with kLastOInV, whose last consumer computes every block.
   static constexpr bool kSkipRowlessConsumers = Consumers == 3;
   // Under a causal mask the three-consumer kernel's tiles end at L_q (rounded up to 16 rows: see Tile), so a head's
   // part-empty tile is its first, whose rows see the fewest keys, and starts at a negative row (where L_q mod 192 is in
@@ -129,9 +130,9 @@ struct FwdTraits {
   static constexpr int kTileO = 64 * HeadDim;  // one consumer's rows of O
   static constexpr int kSubTileO = 64 * 64;
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
-  // clips rows past Lq and columns past D): through a staging buffer beside Q and the K/V ring, one per consumer or
-  // one the two consumers take turns on (D128 with 176-key blocks, D256 with 64-key blocks), or through the
-  // consumers' own rows of Q beside D256's 80-key blocks, which fill shared memory (kOInQ). Measured (NOTES.md, v10
+  // clips rows past Lq and columns past D): through a staging buffer per consumer beside Q and the K/V ring, or, where
+  // shared memory is short, the V stage a tile's last P V has read and one buffer or the Q rows (kLastOInV, kOInQ,
+  // below). Measured (NOTES.md, v10
   // and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a
   // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
   // stores there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
@@ -145,11 +146,19 @@ struct FwdTraits {
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
                                                                                                : 0;
   static constexpr int kSmemBytes = kPipelineBytes + kOBuffers * kTileO * 2;  // 16-bit elements
-  // Where no staging buffer fits (D256 with 80-key blocks), each consumer stages its O in its own rows of the Q
-  // buffer, which its last S GEMM has finished reading. Q then loads in one part per consumer (64-row boxes), each
-  // once that consumer's O has left. Measured against direct stores (NOTES.md, v13): +2-7% at L 2k-16k. Not at D128
-  // without a mask, whose one shared buffer it would replace: ptxas then serialises the wgmmas (C7511).
+  // Where no staging buffer fits (D256 with 80-key blocks), the first consumer stages its O in its own rows of the Q
+  // buffer, which its last S GEMM has finished reading. Q then loads in one part per consumer (64-row boxes), the
+  // first consumer's once its O has left. Measured against direct stores (NOTES.md, v13, then for both consumers):
+  // +2-7% at L 2k-16k.
   static constexpr bool kOInQ = kStageO && kOBuffers == 0 && kQStages == 1;
+  // Where shared memory has no buffer per consumer (D128 with 176-key blocks and D256 with 64-key blocks: one buffer,
+  // for the first consumer; D256 with 80-key blocks: kOInQ), the last consumer stages its O in the V stage of its
+  // tile's last key block, once every consumer's last P V has read it; the producer loads that stage's next V (the
+  // next tile's second block) once the O has left. The first consumer finishes first, so it is the one that does not
+  // wait for the other. Before, the two took turns on the one buffer, or both staged in their Q rows and waited for
+  // their reload. Measured at locked clocks (NOTES.md, v19): D256 causal 80-key blocks +7.3% / +7.7% at L 4k / 8k,
+  // 64-key +3.0-3.4% at 512; D128 without a mask +1.3-1.5% at 1k; the others within -0.9% to +0.6%.
+  static constexpr bool kLastOInV = kOBuffers == 1 || kOInQ;
   static constexpr int kQParts = kOInQ ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
@@ -159,16 +168,17 @@ struct FwdTraits {
   // (65536 / kNThreads per thread at entry, rounded down to a multiple of 8).
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
-  // A shared buffer is handed on warp by warp (each warp stages and stores only its own 16 rows) by mbarrier parity,
-  // which cannot tell a phase from the one two uses back. With two consumers that phase is the waiting warp's own
-  // previous use, which it released before it waits (release_staged_o); with three it could be another consumer's.
-  static_assert(kOBuffers != 1 || (kConsumers == 2 && kPingPong), "one shared O buffer needs two ping-pong consumers");
-  static_assert(!kSkipRowlessConsumers || kOBuffers != 1, "a consumer without rows skips the O buffer's hand-over");
+  static_assert(!kLastOInV || (kConsumers == 2 && kTileKV >= kTileO),
+                "O in the last V stage: two consumers, the second's O within one V stage");
+  // The last consumer's rows are the tile's last, so it computes up to the tile's last key block (kSkipUnseenBlocks
+  // skips only blocks past a consumer's rows) unless it skips the tile for want of rows.
+  static_assert(!kLastOInV || !kSkipRowlessConsumers, "O in the last V stage: the last consumer computes every block");
   // A consumer's rows end kBlockM - 64 keys before its tile's, so it skips at most this many blocks. It passes them
   // before it releases its last V stage: were that many to reach its last stage again, that load would wait for it.
   static_assert(!kSkipUnseenBlocks || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
                 "a consumer would skip as many key blocks as there are stages");
-  static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + 4) * 8 + 3 * 4 <= 256,
+  static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) + 4) * 8 + 3 * 4 <=
+                    256,
                 "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -188,7 +198,8 @@ struct SharedStorage {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
-  uint64_t* o_free;       // [kOBuffers][4]: the TMA stores have read warp w's staged rows
+  uint64_t* o_free;       // [kOBuffers][4]: the TMA stores have read warp w's staged rows (one buffer per consumer)
+  uint64_t* o_in_v_free;  // [kStages] with kLastOInV: the TMA stores have read the O staged in V stage s
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
@@ -207,7 +218,8 @@ struct SharedStorage {
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
     o_free = v_empty + Traits::kStages;
-    tile_full = o_free + 4 * Traits::kOBuffers;
+    o_in_v_free = o_free + 4 * Traits::kOBuffers;
+    tile_full = o_in_v_free + (Traits::kLastOInV ? Traits::kStages : 0);
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
@@ -497,9 +509,8 @@ __device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], 
 // from params.tile_counter (or from the zigzag rounds where the host passed none) and hands its index to the consumers
 // through a 2-slot mailbox in shared memory. The producer runs ahead into the next tile (its Q as soon as the consumers
 // are done with that Q buffer, its K/V through the same ring), so loads and the first GEMM of a tile overlap the
-// epilogue of the previous one. With kOInQ the Q buffer is free only once each consumer has stored its O from it, and
-// the producer loads the parts in order before the next tile's K/V: a consumer that finished early waits for the
-// others' epilogues before its next S[0].
+// epilogue of the previous one. With kOInQ the first consumer's part of the Q buffer is free only once that consumer
+// has stored its O from it, and the producer loads the parts in order before the next tile's K/V.
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -522,8 +533,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kConsumerThreads = Traits::kConsumers * 128;
     for (int s = 0; s < Traits::kQStages * Traits::kQParts; ++s) {
       mbarrier_init(&smem.q_full[s], 1);
-      // Every consumer thread arrives after its last S GEMM (one without rows, once Q has landed); with kOInQ each
-      // warp of the part's consumer once its staged O has been stored.
+      // Every consumer thread arrives after its last S GEMM (one without rows, once Q has landed); with kOInQ lane 0 of
+      // each warp of the part's consumer: the first consumer's once its staged O has been stored, the last's after its
+      // last S GEMM (its O goes to a V stage, kLastOInV).
       mbarrier_init(&smem.q_empty[s], Traits::kOInQ ? 4 : kConsumerThreads);
     }
     for (int s = 0; s < kStages; ++s) {
@@ -533,6 +545,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.v_empty[s], kConsumerThreads);
     }
     for (int b = 0; b < 4 * Traits::kOBuffers; ++b) mbarrier_init(&smem.o_free[b], 1);  // the warp's lane 0
+    if constexpr (Traits::kLastOInV) {
+      for (int s = 0; s < kStages; ++s) mbarrier_init(&smem.o_in_v_free[s], 4);  // lane 0 of each warp
+    }
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
       mbarrier_init(&smem.tile_empty[slot], kConsumerThreads);
@@ -551,6 +566,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
+    // kLastOInV, a bit per stage: the stage's V holds the last consumer's staged O, and the parity of its o_in_v_free.
+    [[maybe_unused]] uint32_t o_in_v = 0, o_in_v_parity = 0;
     int index = blockIdx.x;
     int n_begin = 0, n_end = 0;  // the key blocks of tile `index` this CTA computes (all but with stream-K)
     StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);
@@ -599,12 +616,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                       tile.kv_head(p), tile.batch);
         }
         if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
+        if constexpr (Traits::kLastOInV) {
+          if ((o_in_v >> stage) & 1) {  // an earlier tile's O staged here has to have left
+            mbarrier_wait(&smem.o_in_v_free[stage], (o_in_v_parity >> stage) & 1);
+            o_in_v &= ~(1u << stage);
+            o_in_v_parity ^= 1u << stage;
+          }
+        }
         mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
                       tile.kv_head(p), tile.batch);
         }
       }
+      if (Traits::kLastOInV && n_end > n_begin) o_in_v |= 1u << ((kv_loads - 1) % kStages);  // the tile's last block
       // Next tile. Without a mask: a fixed stride, then a share of the last tiles' key blocks (StaticSchedule).
       // Causal with a counter: take the next tile once this one is issued (each head's longest rows come first, so
       // this is longest-first within a head, and the CTAs at work stay on neighbouring heads; the last tail_heads
@@ -652,20 +677,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const float scale_log2 = fabsf(p.scale_log2);
   const int causal_shift = p.len_k - p.len_q;
   int q_loads = 0, kv_loads = 0;
-  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged (kOBuffers > 0)
-  // Its staging buffer (kOBuffers > 0): its own, or the one the two consumers share.
+  [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged in its buffer
+  // Its staging buffer: its own (kOBuffers); with kLastOInV the last consumer's is the V stage of its tile's last key
+  // block, and the first consumer's the one buffer or its Q rows (kOInQ).
+  [[maybe_unused]] const bool my_o_in_v = Traits::kLastOInV && consumer == kLastConsumer;
   [[maybe_unused]] const int o_buffer = Traits::kOBuffers == 1 ? 0 : consumer;
+  // The barrier that frees the warp's staged rows, o_free[o_release] (o_in_v_free[s] is o_free[4 * kOBuffers + s]).
+  [[maybe_unused]] int o_release = 0;
 
-  // A warp's staged O rows are released (its o_free barrier) once the TMA stores have read them. That read is waited
+  // A warp's staged O rows are released (o_free or o_in_v_free) once the TMA stores have read them. That read is waited
   // for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile starts.
   // Measured at locked clocks (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal;
-  // within +-0.6% where the two consumers share one buffer (the other consumer then waits longer for it).
+  // within +-0.6% where the two consumers then shared one buffer (the other consumer waited longer for it).
   bool o_staged = false;
   const auto release_staged_o = [&] {
-    if constexpr (Traits::kOBuffers > 0) {
+    if constexpr (Traits::kOBuffers > 0 || Traits::kLastOInV) {
       if (o_staged && lane == 0) {
         bulk_wait_group_read<0>();
-        mbarrier_arrive(&smem.o_free[4 * o_buffer + warp]);
+        mbarrier_arrive(&smem.o_free[Traits::kLastOInV ? o_release : 4 * o_buffer + warp]);
       }
       o_staged = false;
     }
@@ -808,7 +837,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(n_begin)]);
-    if (!Traits::kOInQ && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
+    // Q free for reuse after the last S GEMM (with kOInQ the last consumer's part: the lane 0s of its warps).
+    const bool q_free_after_s = !Traits::kOInQ || (my_o_in_v && lane == 0);
+    if (q_free_after_s && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     const int first_start = tile.key_start(n_begin, p);
     // Masks the columns past the block's keys, including any the narrow S left unwritten.
     last_cols(n_begin, first_start, last_col);
@@ -831,7 +862,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
       mbarrier_arrive(&smem.k_empty[stage]);
-      if (!Traits::kOInQ && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);  // free for reuse
+      if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
       last_cols(n_block, n_start, last_col);
       const bool moved = softmax.template update<Traits::kLazyRescale>(
           s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
@@ -887,16 +918,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     if constexpr (Traits::kOBuffers > 0 || Traits::kOInQ) {
       // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
-      // reads, and its lane 0 stores them with TMA. A shared buffer goes round the consumers in order; with kOInQ
-      // the buffer is this consumer's rows of Q, handed back to the producer once stored.
-      constexpr int kSubTile = Traits::kOInQ ? Traits::kSubTileQ : Traits::kSubTileO;  // between 64-column sub-tiles
+      // reads, and its lane 0 stores them with TMA. With kOInQ the first consumer's buffer is its rows of Q, handed
+      // back to the producer once stored.
+      const int sub_tile = Traits::kOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
       T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
-      if constexpr (!Traits::kOInQ) {
-        const int use = Traits::kOBuffers == 1 ? o_stores * Traits::kConsumers + consumer : o_stores;
-        ++o_stores;
+      if (my_o_in_v) {
+        // Every consumer's last P V has read this V stage (the producer reloads it only after o_in_v_free). kv_loads
+        // already counts the tile's blocks, hence the shift by n_end - n_begin; spelt this way because other
+        // spellings of the same parity made ptxas serialise the wgmmas at D128 (C7511).
+        mbarrier_wait(&smem.v_empty[last], parity_of(my_n_end - 1 + n_begin - n_end));
+        staging = smem.v_stage(last);
+        o_release = 4 * Traits::kOBuffers + last;
+      } else if (!Traits::kOInQ) {
         // The previous use of this warp's rows released (a fresh barrier's phase before its first counts as done).
-        mbarrier_wait(&smem.o_free[4 * o_buffer + warp], (use & 1) ^ 1);
+        mbarrier_wait(&smem.o_free[4 * o_buffer + warp], (o_stores & 1) ^ 1);
+        ++o_stores;
         staging = smem.o_buffer(o_buffer);
+        o_release = 4 * o_buffer + warp;
       }
       T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
@@ -905,7 +943,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
           const int chunk = j + matrix / 2;
-          T* const dst = warp_rows + (chunk / 8) * kSubTile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+          T* const dst = warp_rows + (chunk / 8) * sub_tile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
           stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
                       sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
                       sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
@@ -921,17 +959,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
           for (int c = 0; c < kColumnBlocks; ++c) {
             if (64 * c < p.head_dim) {
-              tma_store_4d(&o_map, warp_rows + c * kSubTile, 64 * c, first_row, tile.head, tile.batch);
+              tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
             }
           }
         }
         bulk_commit_group();
-        if constexpr (Traits::kOInQ) {
+        if (Traits::kOInQ && !my_o_in_v) {
           bulk_wait_group_read<0>();  // Q's rows may be loaded again
           mbarrier_arrive(&smem.q_empty[q_barrier]);
         }
       }
-      o_staged = !Traits::kOInQ;  // released by release_staged_o
+      o_staged = !Traits::kOInQ || my_o_in_v;  // released by release_staged_o
     } else {
       // Direct 4-byte stores (rows past Lq and columns past D skipped).
       T* const o_base = tile.template out<T>(p);
