@@ -28,7 +28,7 @@
 // consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, or its
 // own rows of Q (kOInQ); direct 4-byte stores at D64 without a mask, where staging does not pay. A warp's staged rows
 // are released (o_free, o_in_v_free) once the store has read them, which it waits for after issuing the next tile's
-// first S GEMM.
+// first S GEMM (the first consumer's Q rows with kOInQ at once).
 #pragma once
 
 #include <cuda.h>
@@ -132,10 +132,10 @@ struct FwdTraits {
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
   // clips rows past Lq and columns past D): through a staging buffer per consumer beside Q and the K/V ring, or, where
   // shared memory is short, the V stage a tile's last P V has read and one buffer or the Q rows (kLastOInV, kOInQ,
-  // below). Measured (NOTES.md, v10
-  // and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two consumers); 0-6% slower at D64 without a
-  // mask at every length (ptxas then schedules the three 160-register consumers' softmax worse), so direct 4-byte
-  // stores there. The three-consumer causal D64 kernel (L >= 1024) stages O; not measured against direct stores.
+  // below). Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two
+  // consumers); 0-6% slower at D64 without a mask at every length (ptxas then schedules the three 160-register
+  // consumers' softmax worse), so direct 4-byte stores there. The three-consumer causal D64 kernel (L >= 1024) stages
+  // O; not measured against direct stores.
   static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
   static_assert(kStageO || !kTilesEndAtLq, "the first tile's rows before 0 need the staged O stores, which skip them");
   static constexpr int kMaxSmemBytes = 227 * 1024;
@@ -153,11 +153,11 @@ struct FwdTraits {
   static constexpr bool kOInQ = kStageO && kOBuffers == 0 && kQStages == 1;
   // Where shared memory has no buffer per consumer (D128 with 176-key blocks and D256 with 64-key blocks: one buffer,
   // for the first consumer; D256 with 80-key blocks: kOInQ), the last consumer stages its O in the V stage of its
-  // tile's last key block, once every consumer's last P V has read it; the producer loads that stage's next V (the
-  // next tile's second block) once the O has left. The first consumer finishes first, so it is the one that does not
-  // wait for the other. Before, the two took turns on the one buffer, or both staged in their Q rows and waited for
-  // their reload. Measured at locked clocks (NOTES.md, v19): D256 causal 80-key blocks +7.3% / +7.7% at L 4k / 8k,
-  // 64-key +3.0-3.4% at 512; D128 without a mask +1.3-1.5% at 1k; the others within -0.9% to +0.6%.
+  // tile's last key block, once every consumer's last P V has read it; the producer loads that stage's next V (a later
+  // tile's, the next one's second block where it has two) once the O has left. The first consumer finishes first, so it
+  // is the one that does not wait for the other. Before, the two took turns on the one buffer, or both staged in their
+  // Q rows and waited for their reload. Measured at locked clocks (NOTES.md, v19): D256 causal 80-key blocks +7.3% /
+  // +7.7% at L 4k / 8k, 64-key +3.0-3.4% at 512; D128 without a mask +1.3-1.5% at 1k; the others within -0.9% to +0.6%.
   static constexpr bool kLastOInV = kOBuffers == 1 || kOInQ;
   static constexpr int kQParts = kOInQ ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
@@ -686,14 +686,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   [[maybe_unused]] int o_release = 0;
 
   // A warp's staged O rows are released (o_free or o_in_v_free) once the TMA stores have read them. That read is waited
-  // for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile starts.
-  // Measured at locked clocks (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal;
-  // within +-0.6% where the two consumers then shared one buffer (the other consumer waited longer for it).
+  // for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile starts (the
+  // first consumer's Q rows with kOInQ: at once, since the next Q loads into them). Measured at locked clocks
+  // (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where the two
+  // consumers then shared one buffer (the other consumer waited longer for it).
   bool o_staged = false;
   const auto release_staged_o = [&] {
     if constexpr (Traits::kOBuffers > 0 || Traits::kLastOInV) {
       if (o_staged && lane == 0) {
         bulk_wait_group_read<0>();
+        // (The kernels with a buffer per consumer keep the index they had before kLastOInV: the same SASS.)
         mbarrier_arrive(&smem.o_free[Traits::kLastOInV ? o_release : 4 * o_buffer + warp]);
       }
       o_staged = false;
@@ -939,7 +941,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
       const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
       const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
-      if (store_o) {  // else the buffer is only handed on
+      if (store_o) {  // else the rows are only released (the other CTA stores this stream-K tile)
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
           const int chunk = j + matrix / 2;
