@@ -1,0 +1,118 @@
+"""Locked-clock A/B of two builds of the forward kernel: Nsight Compute's gpu__time_duration per launch.
+
+One-round benchmarks at the card's own clocks move by up to 10% between rounds on the H200; Nsight Compute locks the
+clocks (its default --clock-control base) and times each launch, which separates changes of 0.5-1% (benchmarks/NOTES.md,
+v18 and v19). Each build is a source tree with the extension built in place (`python setup.py build_ext --inplace`;
+FLASHATTN_HEADDIMS may limit it to the head dims measured). The builds run in turns, `--passes` times each, so a
+drift of the card shows up as a spread between passes rather than as a difference between builds.
+
+    python benchmarks/ncu_ab.py --build main=/tmp/main --build new=. --shapes 128:nc:1024,128:nc:4096,256:c:8192
+
+prints, per shape, each build's median launch time (ns) per pass and the change of the second build against the first
+(+ is faster). Shapes are D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then
+--launches timed ones. Needs ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
+"""
+import argparse
+import csv
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+KERNEL_REGEX = "regex:flash_fwd_sm90|flash_fwd_kernel"  # the Hopper and the sm80 forward
+
+
+def parse_shapes(text):
+    shapes = []
+    for item in text.split(","):
+        d, mask, length = item.split(":")
+        if mask not in ("nc", "c"):
+            raise SystemExit(f"--shapes: {item!r}: the mask is nc or c")
+        shapes.append((int(d), mask == "c", int(length)))
+    return shapes
+
+
+def launch(args):
+    """The workload Nsight Compute profiles: per shape one warm-up and `launches` timed forward calls."""
+    import torch
+
+    import flashattn_ext
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    for d, causal, length in parse_shapes(args.shapes):
+        batch, heads = max(1, args.tokens // length), max(1, args.hidden // d)
+        q, k, v = (torch.randn(batch, heads, length, d, device="cuda", dtype=dtype) for _ in range(3))
+        for _ in range(1 + args.launches):
+            flashattn_ext.flash_attn(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+
+
+def launch_times(csv_text):
+    """gpu__time_duration.sum of each launch, in ns, in launch order, from `ncu --csv` output."""
+    rows = list(csv.reader(line for line in csv_text.splitlines() if line.startswith('"')))
+    if not rows:
+        return []
+    header = rows[0]
+    name, value = header.index("Metric Name"), header.index("Metric Value")
+    return [float(r[value].replace(",", "")) for r in rows[1:] if r[name] == "gpu__time_duration.sum"]
+
+
+def shape_medians(times, num_shapes, launches):
+    per_shape = 1 + launches
+    if len(times) != num_shapes * per_shape:
+        raise RuntimeError(f"expected {num_shapes * per_shape} launches, ncu reported {len(times)}")
+    return [statistics.median(times[i * per_shape + 1:(i + 1) * per_shape]) for i in range(num_shapes)]
+
+
+def profile(args, build_dir):
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    env = dict(os.environ, PYTHONPATH=str(Path(build_dir).resolve()), FLASHATTN_FWD_SM90=args.fwd_sm90)
+    cmd = [ncu, "--csv", "--metrics", "gpu__time_duration.sum", "-k", args.kernel_regex, sys.executable,
+           str(Path(__file__).resolve()), "--launch", "--shapes", args.shapes, "--launches", str(args.launches),
+           "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--dtype", args.dtype]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"ncu failed for {build_dir} (rc {result.returncode}):\n{result.stderr[-2000:]}")
+    return launch_times(result.stdout)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--build", action="append", default=[], metavar="NAME=DIR",
+                        help="a source tree with the extension built in place; give two (the first is the baseline)")
+    parser.add_argument("--shapes", default="128:nc:1024,128:nc:4096", help="comma list of D:nc|c:L")
+    parser.add_argument("--passes", type=int, default=2, help="turns of each build")
+    parser.add_argument("--launches", type=int, default=5, help="timed launches per shape (after one warm-up)")
+    parser.add_argument("--tokens", type=int, default=16384, help="B * L")
+    parser.add_argument("--hidden", type=int, default=2048, help="H * D")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--fwd-sm90", default="strict", help="FLASHATTN_FWD_SM90 for the runs (strict: Hopper only)")
+    parser.add_argument("--kernel-regex", default=KERNEL_REGEX, help="ncu -k filter: the kernels to time")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per ncu run")
+    parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the profiled workload itself
+    args = parser.parse_args()
+    shapes = parse_shapes(args.shapes)
+    if args.launch:
+        launch(args)
+        return
+    if len(args.build) != 2 or any("=" not in b for b in args.build):
+        raise SystemExit("give two --build NAME=DIR")
+    builds = [tuple(b.split("=", 1)) for b in args.build]
+
+    medians = {name: [] for name, _ in builds}  # name -> [pass][shape]
+    for _ in range(args.passes):
+        for name, build_dir in builds:
+            medians[name].append(shape_medians(profile(args, build_dir), len(shapes), args.launches))
+    (base, _), (new, _) = builds
+    for i, (d, causal, length) in enumerate(shapes):
+        base_ns = statistics.mean(p[i] for p in medians[base])
+        new_ns = statistics.mean(p[i] for p in medians[new])
+        passes = lambda name: " / ".join(f"{p[i]:.0f}" for p in medians[name])
+        print(f"D{d} {'causal' if causal else 'non-causal'} L{length}: {base} {passes(base)} ns, "
+              f"{new} {passes(new)} ns: {100 * (base_ns / new_ns - 1):+.2f}%")
+
+
+if __name__ == "__main__":
+    main()
