@@ -34,14 +34,14 @@ def parse_shapes(text):
     return shapes
 
 
-def launch(args):
+def launch(args, shapes):
     """The workload Nsight Compute profiles: per shape one warm-up and `launches` timed forward calls."""
     import torch
 
     import flashattn_ext
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    for d, causal, length in parse_shapes(args.shapes):
+    for d, causal, length in shapes:
         batch, heads = max(1, args.tokens // length), max(1, args.hidden // d)
         q, k, v = (torch.randn(batch, heads, length, d, device="cuda", dtype=dtype) for _ in range(3))
         for _ in range(1 + args.launches):
@@ -95,7 +95,7 @@ def main():
     args = parser.parse_args()
     shapes = parse_shapes(args.shapes)
     if args.launch:
-        launch(args)
+        launch(args, shapes)
         return
     if len(args.build) != 2 or any("=" not in b for b in args.build):
         raise SystemExit("give two --build NAME=DIR")
