@@ -21,7 +21,7 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 2, 2, 100, 8300, 256, True),  # causal D256 over more than 2048 keys: 80-key blocks, O in Q rows and V
     (2, 8, 4, 2400, 2100, 256, True),  # 304 such tiles, two per head seeing no key
     (2, 4, 2, 300, 1000, 256, False),  # D256 up to 1024 keys: 64-key blocks, O in one buffer and the V stages
-    (1, 2, 2, 30, 1100, 256, False),  # D256 over 1024 keys: 80-key blocks, O in Q rows and V; one consumer has no row
+    (1, 2, 2, 30, 1100, 256, False),  # D256 over 1024 keys: 80-key blocks, O in the last K and V; a consumer rowless
     (4, 16, 4, 600, 1100, 256, False),  # 320 such tiles: two or three per CTA
     (1, 2, 1, 2100, 2100, 64, True),  # causal D64 from 1024 queries and keys: 192-row tiles, three consumers
     (2, 4, 2, 1030, 1030, 64, True),  # each head's first tile: consumer 0 without rows; consumers skip key blocks
@@ -34,6 +34,7 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 4, 2, 1000, 1300, 64, True),  # keys offset by 300, below 1024 queries: the two-consumer causal D64 kernel
     (2, 4, 2, 1153, 1153, 64, True),  # a head's first tile starts at row -176: only consumer 2's last O box stored
     (1, 2, 2, 2900, 3000, 64, True),  # keys offset by 100: consumer 2's rows cross row 0 and see keys
+    (1, 2, 1, 700, 8300, 128, True),  # causal D128 over 8192 keys: 176-key blocks, O in one buffer and the V stages
     (1, 40, 20, 1000, 2150, 128, False),  # 320 tiles of 13 key blocks on 132 SMs: the last 188 split (stream-K)
     (8, 64, 8, 40, 600, 64, False),  # 512 tiles with rows for consumer 0 only, about four per CTA
 ]

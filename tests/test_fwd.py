@@ -258,7 +258,7 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
         (False, 1, 4, 129, 1025),
         (False, 1, 4, 30, 1100),  # the second consumer's Q rows (and O) lie wholly past Lq
         (False, 1, 4, 300, 2000),
-        (False, 4, 16, 600, 1100),  # 320 tiles: two or three per CTA, each Q part reloaded after its O left
+        (False, 4, 16, 600, 1100),  # 320 tiles, two or three per CTA: the next tile's second K waits for an O store
         (True, 1, 4, 129, 2048),
         (True, 1, 4, 129, 2049),
         (True, 1, 4, 300, 3000),
@@ -271,11 +271,32 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
 def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k, dtype):
     # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 1024 keys (2048 under a
     # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks above, with the first consumer's O staged in
-    # its rows of Q (kOInQ) and the second's in a V stage (kLastOInV): both sides of each switch, and the 80-key kernels
-    # over several tiles per CTA, with a consumer that has no rows, and with tiles that see no key. Both kernels are
-    # correct on either side, so this checks results, not which kernel ran.
+    # the K stage of the tile's last block without a mask (kFirstOInK) or in its rows of Q under one (kOInQ), and the
+    # second's in a V stage (kLastOInV): both sides of each switch, and the 80-key kernels over several tiles per CTA,
+    # with a consumer that has no rows, and with tiles that see no key. Both kernels are correct on either side, so
+    # this checks results, not which kernel ran.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [128, 120])
+@pytest.mark.parametrize(
+    "batch,heads,len_q,len_k",
+    [
+        (1, 4, 129, 8192),
+        (1, 4, 129, 8193),
+        (2, 16, 1000, 8300),  # 256 tiles: two zigzag rounds per CTA
+        (1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key
+    ],
+)
+def test_cuda_d128_causal_key_block_switch(head_dim, batch, heads, len_q, len_k):
+    # Under a causal mask D128 takes 128-key blocks up to 8192 keys and 176-key blocks above (fwd_kernel.h,
+    # sm90_d128_causal_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV), and
+    # consumers that skip the blocks their rows do not see: both sides of the switch, several tiles per CTA, and
+    # rows that see no key.
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
+    run_and_check(q, k, v, causal=True)
 
 
 @pytest.mark.cuda

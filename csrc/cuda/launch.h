@@ -106,8 +106,8 @@ static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile
 
 // Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
 // per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short key rows take 64 keys at D256 instead
-// (fwd_kernel.h, run_fwd_sm90).
+// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short key rows take 64 keys at D256 instead, and
+// long ones 176 keys at D128 under a causal mask (fwd_kernel.h, run_fwd_sm90).
 constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
   return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
 }

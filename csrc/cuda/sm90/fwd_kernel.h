@@ -25,10 +25,10 @@
 //
 // Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA; lse
 // from registers. The staging buffer: a buffer per consumer where shared memory has room (kOBuffers); else the last
-// consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, or its
-// own rows of Q (kOInQ); direct 4-byte stores at D64 without a mask, where staging does not pay. A warp's staged rows
-// are released (o_free, o_in_v_free) once the store has read them, which it waits for after issuing the next tile's
-// first S GEMM (the first consumer's Q rows with kOInQ at once).
+// consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, else the
+// K stage of that block (kFirstOInK) or its own rows of Q (kOInQ); direct 4-byte stores at D64 without a mask, where
+// staging does not pay. A warp's staged rows are released (o_free, o_in_v_free, o_in_k_free) once the store has read
+// them, which it waits for after issuing the next tile's first S GEMM (the first consumer's Q rows with kOInQ at once).
 #pragma once
 
 #include <cuda.h>
@@ -52,6 +52,12 @@ namespace flashattn::sm90 {
 // 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k; without a mask 9% slower at 512 keys, 3% at 768, -2% to
 // +6% at 1k (three calls), 3-8% faster from 2k.
 constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 1024; }
+
+// D128 under a causal mask takes 128-key blocks (an O buffer per consumer) up to this many keys, 176-key blocks (as
+// without a mask: one O buffer, the second consumer's O in a V stage) above, where the diagonal's masked work weighs
+// less than the longer blocks save. Measured at locked clocks (NOTES.md, v20), 176 against 128 keys: -12.8% / -3.8% /
+// -0.4% / +0.4% / +5.0% at L 1k / 2k / 4k / 8k / 16k.
+constexpr int sm90_d128_causal_short_max_keys() { return 8192; }
 
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
 // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
@@ -146,19 +152,26 @@ struct FwdTraits {
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
                                                                                                : 0;
   static constexpr int kSmemBytes = kPipelineBytes + kOBuffers * kTileO * 2;  // 16-bit elements
-  // Where no staging buffer fits (D256 with 80-key blocks), the first consumer stages its O in its own rows of the Q
-  // buffer, which its last S GEMM has finished reading. Q then loads in one part per consumer (64-row boxes), the
-  // first consumer's once its O has left. Measured against direct stores (NOTES.md, v13, then for both consumers):
-  // +2-7% at L 2k-16k.
-  static constexpr bool kOInQ = kStageO && kOBuffers == 0 && kQStages == 1;
+  // Where no staging buffer fits (D256 with 80-key blocks), the first consumer stages its O
+  // - without a mask, in the K stage of its tile's last key block, which every consumer's last S GEMM has read
+  //   (kFirstOInK); the producer loads that stage's next K (the next tile's second block) once the O has left. Q then
+  //   loads whole and is free after the tile's last S GEMMs. Measured at locked clocks against kOInQ (NOTES.md, v20):
+  //   +4.1% / +1.9% / +2.0% at L 2k / 4k / 8k;
+  // - under a causal mask, in its own rows of the Q buffer (kOInQ), which its last S GEMM has read. Q then loads in one
+  //   part per consumer (64-row boxes), the first consumer's once its O has left. Measured against direct stores
+  //   (v13): +2-7% at L 2k-16k. There kFirstOInK measured -2.2% at 4k, +1.1% at 8k (v20): causal tiles are shorter,
+  //   so the next tile's second K, which waits for the O store, is needed sooner.
+  static constexpr bool kFirstOInK = kStageO && kOBuffers == 0 && kQStages == 1 && !Causal;
+  static constexpr bool kOInQ = kStageO && kOBuffers == 0 && kQStages == 1 && Causal;
   // Where shared memory has no buffer per consumer (D128 with 176-key blocks and D256 with 64-key blocks: one buffer,
-  // for the first consumer; D256 with 80-key blocks: kOInQ), the last consumer stages its O in the V stage of its
-  // tile's last key block, once every consumer's last P V has read it; the producer loads that stage's next V (a later
-  // tile's, the next one's second block where it has two) once the O has left. The first consumer finishes first, so it
-  // is the one that does not wait for the other. Before, the two took turns on the one buffer, or both staged in their
-  // Q rows and waited for their reload. Measured at locked clocks (NOTES.md, v19): D256 causal 80-key blocks +7.3% /
-  // +7.7% at L 4k / 8k, 64-key +3.0-3.4% at 512; D128 without a mask +1.3-1.5% at 1k; the others within -0.9% to +0.6%.
-  static constexpr bool kLastOInV = kOBuffers == 1 || kOInQ;
+  // for the first consumer; D256 with 80-key blocks: kFirstOInK or kOInQ), the last consumer stages its O in the V
+  // stage of its tile's last key block, once every consumer's last P V has read it; the producer loads that stage's
+  // next V (a later tile's, the next one's second block where it has two) once the O has left. The first consumer
+  // finishes first, so it is the one that does not wait for the other. Before, the two took turns on the one buffer, or
+  // both staged in their Q rows and waited for their reload. Measured at locked clocks (NOTES.md, v19): D256 causal
+  // 80-key blocks +7.3% / +7.7% at L 4k / 8k, 64-key +3.0-3.4% at 512; D128 without a mask +1.3-1.5% at 1k; the others
+  // within -0.9% to +0.6%.
+  static constexpr bool kLastOInV = kOBuffers == 1 || kOInQ || kFirstOInK;
   static constexpr int kQParts = kOInQ ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
@@ -177,8 +190,8 @@ struct FwdTraits {
   // before it releases its last V stage: were that many to reach its last stage again, that load would wait for it.
   static_assert(!kSkipUnseenBlocks || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
                 "a consumer would skip as many key blocks as there are stages");
-  static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) + 4) * 8 + 3 * 4 <=
-                    256,
+  static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) +
+                 (kFirstOInK ? kStages : 0) + 4) * 8 + 3 * 4 <= 256,
                 "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -200,6 +213,7 @@ struct SharedStorage {
   uint64_t* v_empty;
   uint64_t* o_free;       // [kOBuffers][4]: the TMA stores have read warp w's staged rows (one buffer per consumer)
   uint64_t* o_in_v_free;  // [kStages] with kLastOInV: the TMA stores have read the O staged in V stage s
+  uint64_t* o_in_k_free;  // [kStages] with kFirstOInK: the same for K stage s
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
@@ -219,7 +233,8 @@ struct SharedStorage {
     v_empty = k_empty + Traits::kStages;
     o_free = v_empty + Traits::kStages;
     o_in_v_free = o_free + 4 * Traits::kOBuffers;
-    tile_full = o_in_v_free + (Traits::kLastOInV ? Traits::kStages : 0);
+    o_in_k_free = o_in_v_free + (Traits::kLastOInV ? Traits::kStages : 0);
+    tile_full = o_in_k_free + (Traits::kFirstOInK ? Traits::kStages : 0);
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
@@ -548,6 +563,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (Traits::kLastOInV) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(&smem.o_in_v_free[s], 4);  // lane 0 of each warp
     }
+    if constexpr (Traits::kFirstOInK) {
+      for (int s = 0; s < kStages; ++s) mbarrier_init(&smem.o_in_k_free[s], 4);
+    }
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
       mbarrier_init(&smem.tile_empty[slot], kConsumerThreads);
@@ -568,6 +586,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int q_loads = 0, kv_loads = 0;
     // kLastOInV, a bit per stage: the stage's V holds the last consumer's staged O, and the parity of its o_in_v_free.
     [[maybe_unused]] uint32_t o_in_v = 0, o_in_v_parity = 0;
+    [[maybe_unused]] uint32_t o_in_k = 0, o_in_k_parity = 0;  // the same for K stages with kFirstOInK
     int index = blockIdx.x;
     int n_begin = 0, n_end = 0;  // the key blocks of tile `index` this CTA computes (all but with stream-K)
     StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);
@@ -610,6 +629,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int use = kv_loads / kStages;
         const int row = tile.key_start(n_block, p);
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
+        if constexpr (Traits::kFirstOInK) {
+          if ((o_in_k >> stage) & 1) {  // an earlier tile's O staged here has to have left
+            mbarrier_wait(&smem.o_in_k_free[stage], (o_in_k_parity >> stage) & 1);
+            o_in_k &= ~(1u << stage);
+            o_in_k_parity ^= 1u << stage;
+          }
+        }
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
@@ -630,6 +656,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
       if (Traits::kLastOInV && n_end > n_begin) o_in_v |= 1u << ((kv_loads - 1) % kStages);  // the tile's last block
+      if (Traits::kFirstOInK && n_end > n_begin) o_in_k |= 1u << ((kv_loads - 1) % kStages);
       // Next tile. Without a mask: a fixed stride, then a share of the last tiles' key blocks (StaticSchedule).
       // Causal with a counter: take the next tile once this one is issued (each head's longest rows come first, so
       // this is longest-first within a head, and the CTAs at work stay on neighbouring heads; the last tail_heads
@@ -679,17 +706,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   int q_loads = 0, kv_loads = 0;
   [[maybe_unused]] int o_stores = 0;  // tiles whose O this consumer has staged in its buffer
   // Its staging buffer: its own (kOBuffers); with kLastOInV the last consumer's is the V stage of its tile's last key
-  // block, and the first consumer's the one buffer or its Q rows (kOInQ).
+  // block, and the first consumer's the one buffer, the K stage of that block (kFirstOInK) or its Q rows (kOInQ).
   [[maybe_unused]] const bool my_o_in_v = Traits::kLastOInV && consumer == kLastConsumer;
+  [[maybe_unused]] const bool my_o_in_k = Traits::kFirstOInK && consumer == 0;
   [[maybe_unused]] const int o_buffer = Traits::kOBuffers == 1 ? 0 : consumer;
-  // The barrier that frees the warp's staged rows, o_free[o_release] (o_in_v_free[s] is o_free[4 * kOBuffers + s]).
+  // The barrier that frees the warp's staged rows, o_free[o_release] (o_in_v_free[s] is o_free[4 * kOBuffers + s], and
+  // o_in_k_free[s] follows them).
   [[maybe_unused]] int o_release = 0;
 
-  // A warp's staged O rows are released (o_free or o_in_v_free) once the TMA stores have read them. That read is waited
-  // for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile starts (the
-  // first consumer's Q rows with kOInQ: at once, since the next Q loads into them). Measured at locked clocks
-  // (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where the two
-  // consumers then shared one buffer (the other consumer waited longer for it).
+  // A warp's staged O rows are released (o_free, o_in_v_free or o_in_k_free) once the TMA stores have read them. That
+  // read is waited for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile
+  // starts (the first consumer's Q rows with kOInQ: at once, since the next Q loads into them). Measured at locked
+  // clocks (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where
+  // the two consumers then shared one buffer (the other consumer waited longer for it).
   bool o_staged = false;
   const auto release_staged_o = [&] {
     if constexpr (Traits::kOBuffers > 0 || Traits::kLastOInV) {
@@ -918,13 +947,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
-    if constexpr (Traits::kOBuffers > 0 || Traits::kOInQ) {
+    if constexpr (Traits::kOBuffers > 0 || Traits::kOInQ || Traits::kFirstOInK) {
       // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
       // reads, and its lane 0 stores them with TMA. With kOInQ the first consumer's buffer is its rows of Q, handed
       // back to the producer once stored.
       const int sub_tile = Traits::kOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
       T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
-      if (my_o_in_v) {
+      if (my_o_in_k) {
+        // The K stage of the tile's last block (kv_loads counts it last), once every consumer's S GEMM has read it.
+        const int tile_last = (kv_loads - 1) % kStages;
+        mbarrier_wait(&smem.k_empty[tile_last], parity_of(n_begin - 1));
+        staging = smem.k_stage(tile_last);
+        o_release = 4 * Traits::kOBuffers + (Traits::kLastOInV ? kStages : 0) + tile_last;
+      } else if (my_o_in_v) {
         // Every consumer's last P V has read this V stage (the producer reloads it only after o_in_v_free). kv_loads
         // already counts the tile's blocks, hence the shift by n_end - n_begin; spelt this way because other
         // spellings of the same parity made ptxas serialise the wgmmas at D128 (C7511).
@@ -1006,7 +1041,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
     return cudaErrorNotSupported;
   }
   // O in boxes of one warp's 16 rows (the output is ours, contiguous: the driver takes it).
-  if ((Traits::kOBuffers > 0 || Traits::kOInQ) &&
+  if ((Traits::kOBuffers > 0 || Traits::kOInQ || Traits::kFirstOInK) &&
       !make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
                      params.o_batch_stride, params.o_head_stride, params.o_row_stride, 16)) {
     return cudaErrorNotSupported;
@@ -1055,6 +1090,11 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if constexpr (HeadDim == 256) {
     if (params.len_k <= sm90_d256_short_max_keys(kCausal)) {
       return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+    }
+  }
+  if constexpr (HeadDim == 128 && kCausal) {
+    if (params.len_k > sm90_d128_causal_short_max_keys()) {
+      return launch_fwd_sm90<T, FwdTraits<128, true, 176>, kCausal>(params, stream);
     }
   }
   if constexpr (HeadDim == 64 && kCausal) {
