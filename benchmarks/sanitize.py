@@ -20,8 +20,8 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (4, 8, 4, 1000, 1000, 256, True),  # 256 causal tiles at D256: one O buffer and the V stages
     (1, 2, 2, 100, 8300, 256, True),  # causal D256 over more than 2048 keys: 80-key blocks, O in Q rows and V
     (2, 8, 4, 2400, 2100, 256, True),  # 304 such tiles, two per head seeing no key
-    (2, 4, 2, 300, 1000, 256, False),  # D256 up to 1024 keys: 64-key blocks, O in one buffer and the V stages
-    (1, 2, 2, 30, 1100, 256, False),  # D256 over 1024 keys: 80-key blocks, O in the last K and V; a consumer rowless
+    (2, 4, 2, 300, 500, 256, False),  # D256 up to 512 keys: 64-key blocks, O in one buffer and the V stages
+    (1, 2, 2, 30, 1100, 256, False),  # D256 over 512 keys: 80-key blocks, O in the last K and V; a consumer rowless
     (4, 16, 4, 600, 1100, 256, False),  # 320 such tiles: two or three per CTA
     (1, 2, 1, 2100, 2100, 64, True),  # causal D64 from 1024 queries and keys: 192-row tiles, three consumers
     (2, 4, 2, 1030, 1030, 64, True),  # each head's first tile: consumer 0 without rows; consumers skip key blocks

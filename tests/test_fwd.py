@@ -254,8 +254,8 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
 @pytest.mark.parametrize(
     "causal,batch,heads,len_q,len_k",
     [
-        (False, 1, 4, 129, 1024),
-        (False, 1, 4, 129, 1025),
+        (False, 1, 4, 129, 512),
+        (False, 1, 4, 129, 513),
         (False, 1, 4, 30, 1100),  # the second consumer's Q rows (and O) lie wholly past Lq
         (False, 1, 4, 300, 2000),
         (False, 4, 16, 600, 1100),  # 320 tiles, two or three per CTA: the next tile's second K waits for an O store
@@ -269,12 +269,12 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k, dtype):
-    # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 1024 keys (2048 under a
+    # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 512 keys (2048 under a
     # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks above, with the first consumer's O staged in
     # the K stage of the tile's last block without a mask (kFirstOInK) or in its rows of Q under one (kOInQ), and the
     # second's in a V stage (kLastOInV): both sides of each switch, and the 80-key kernels over several tiles per CTA,
-    # with a consumer that has no rows, and with tiles that see no key. Both kernels are correct on either side, so
-    # this checks results, not which kernel ran.
+    # with a consumer that has no rows, and with tiles that see no key. Both kernels are correct on either side, so this
+    # checks results, not which kernel ran.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal)
 
@@ -346,7 +346,7 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
     # those rows see no key. At 40 and 1000 under a mask the two-consumer kernel runs, whose consumers all compute.
     # Under a causal mask a consumer also computes only the key blocks its own 64 rows see (kSkipUnseenBlocks: the
     # three-consumer D64 tiles, D256's 64- and 80-key blocks). Lq = Lk and bottom-right offsets both ways; D256 over
-    # 2048 keys (causal) or 1024 (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per
+    # 2048 keys (causal) or 512 (not) takes 80-key blocks. The 2 x 16, 4 x 32 and 8 x 64 heads run several tiles per
     # CTA, so the pipeline counts carry across tiles with skipped blocks and rows; without a mask 4 x 32 heads at 1024
     # take a grid of 131 CTAs on a 132-SM H200 (launch.h, sm90_static_grid).
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")

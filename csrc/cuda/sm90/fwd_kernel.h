@@ -47,16 +47,16 @@
 
 namespace flashattn::sm90 {
 
-// D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key blocks (O staged in
-// the Q rows, kOInQ) above. Measured (NOTES.md, v13), the 80-key kernel against the 64-key one: under a causal mask
-// 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k; without a mask 9% slower at 512 keys, 3% at 768, -2% to
-// +6% at 1k (three calls), 3-8% faster from 2k.
-constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 1024; }
+// D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key blocks (no staging
+// buffer: kFirstOInK or kOInQ, and kLastOInV) above. Measured, the 80-key kernel against the 64-key one: under a causal
+// mask 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k (NOTES.md, v13); without a mask 9% slower at 512 keys
+// (v13), and with kFirstOInK at locked clocks +3.3% / +4.9% at 768 / 1k keys (v20).
+constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
 
 // D128 under a causal mask takes 128-key blocks (an O buffer per consumer) up to this many keys, 176-key blocks (as
 // without a mask: one O buffer, the second consumer's O in a V stage) above, where the diagonal's masked work weighs
 // less than the longer blocks save. Measured at locked clocks (NOTES.md, v20), 176 against 128 keys: -12.8% / -3.8% /
-// -0.4% / +0.4% / +5.0% at L 1k / 2k / 4k / 8k / 16k.
+// -0.4% / +0.4% / +5.0% at L 1k / 2k / 4k / 8k / 16k, and with this switch +3.2% / +4.0% at 12k / 16k.
 constexpr int sm90_d128_causal_short_max_keys() { return 8192; }
 
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
