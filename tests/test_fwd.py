@@ -284,14 +284,14 @@ def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
 @pytest.mark.parametrize(
     "batch,heads,len_q,len_k",
     [
-        (1, 4, 129, 8192),
-        (1, 4, 129, 8193),
+        (1, 4, 129, 4096),
+        (1, 4, 129, 4097),
         (2, 16, 1000, 8300),  # 256 tiles: two zigzag rounds per CTA
         (1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key
     ],
 )
 def test_cuda_d128_causal_key_block_switch(head_dim, batch, heads, len_q, len_k):
-    # Under a causal mask D128 takes 128-key blocks up to 8192 keys and 176-key blocks above (fwd_kernel.h,
+    # Under a causal mask D128 takes 128-key blocks up to 4096 keys and 176-key blocks above (fwd_kernel.h,
     # sm90_d128_causal_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV), and
     # consumers that skip the blocks their rows do not see: both sides of the switch, several tiles per CTA, and
     # rows that see no key.

@@ -55,9 +55,9 @@ constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512
 
 // D128 under a causal mask takes 128-key blocks (an O buffer per consumer) up to this many keys, 176-key blocks (as
 // without a mask: one O buffer, the second consumer's O in a V stage) above, where the diagonal's masked work weighs
-// less than the longer blocks save. Measured at locked clocks (NOTES.md, v20), 176 against 128 keys: -12.8% / -3.8% /
-// -0.4% / +0.4% / +5.0% at L 1k / 2k / 4k / 8k / 16k, and with this switch +3.2% / +4.0% at 12k / 16k.
-constexpr int sm90_d128_causal_short_max_keys() { return 8192; }
+// less than the longer blocks save. Measured at locked clocks (NOTES.md, v20), 176 against 128 keys: -12.8% / -3.8% at
+// L 1k / 2k, -0.4% at 4k, +1.2% / +3.2% / +3.2% / +4.0% at 6k / 8k / 12k / 16k (8k: +0.4% in a noisier first call).
+constexpr int sm90_d128_causal_short_max_keys() { return 4096; }
 
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
 // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
