@@ -1,4 +1,5 @@
-"""Locked-clock A/B of two builds of the forward kernel: Nsight Compute's gpu__time_duration per launch.
+"""Locked-clock A/B of two builds of the forward kernel (or the Hopper backward kernel): Nsight Compute's
+gpu__time_duration per launch.
 
 One-round benchmarks at the card's own clocks move by up to 10% between rounds on the H200; Nsight Compute locks the
 clocks (its default --clock-control base) and times each launch, which separates changes of 0.5-1% (benchmarks/NOTES.md,
@@ -8,9 +9,10 @@ drift of the card shows up as a spread between passes rather than as a differenc
 
     python benchmarks/ncu_ab.py --build main=/tmp/main --build new=. --shapes 128:nc:1024,128:nc:4096,256:c:8192
 
-prints, per shape, each build's median launch time (ns) per pass and the change of the second build against the first
-(+ is faster). Shapes are D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then
---launches timed ones. Needs ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
+prints, per shape, each build's median launch time (ns) per pass and the change of the second build against the first (+
+is faster). With --backward each call is a forward and a backward, and the Hopper backward kernel is timed. Shapes are
+D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then --launches timed ones. Needs
+ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
 """
 import argparse
 import csv
@@ -22,6 +24,7 @@ import sys
 from pathlib import Path
 
 KERNEL_REGEX = "regex:flash_fwd_sm90|flash_fwd_kernel"  # the Hopper and the sm80 forward
+BACKWARD_KERNEL_REGEX = "regex:flash_bwd_sm90|flash_bwd_split_sm90"  # the Hopper backward: one launch per call
 
 
 def parse_shapes(text):
@@ -35,7 +38,8 @@ def parse_shapes(text):
 
 
 def launch(args, shapes):
-    """The workload Nsight Compute profiles: per shape one warm-up and `launches` timed forward calls."""
+    """The workload Nsight Compute profiles: per shape one warm-up and `launches` timed calls (forward, or forward and
+    backward with --backward)."""
     import torch
 
     import flashattn_ext
@@ -43,9 +47,13 @@ def launch(args, shapes):
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     for d, causal, length in shapes:
         batch, heads = max(1, args.tokens // length), max(1, args.hidden // d)
-        q, k, v = (torch.randn(batch, heads, length, d, device="cuda", dtype=dtype) for _ in range(3))
+        q, k, v = (torch.randn(batch, heads, length, d, device="cuda", dtype=dtype, requires_grad=args.backward)
+                   for _ in range(3))
+        grad_out = torch.randn_like(q)
         for _ in range(1 + args.launches):
-            flashattn_ext.flash_attn(q, k, v, causal=causal)
+            out = flashattn_ext.flash_attn(q, k, v, causal=causal)
+            if args.backward:
+                torch.autograd.grad(out, (q, k, v), grad_out)
         torch.cuda.synchronize()
 
 
@@ -68,10 +76,14 @@ def shape_medians(times, num_shapes, launches):
 
 def profile(args, build_dir):
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    env = dict(os.environ, PYTHONPATH=str(Path(build_dir).resolve()), FLASHATTN_FWD_SM90=args.fwd_sm90)
-    cmd = [ncu, "--csv", "--metrics", "gpu__time_duration.sum", "-k", args.kernel_regex, sys.executable,
+    env = dict(os.environ, PYTHONPATH=str(Path(build_dir).resolve()), FLASHATTN_FWD_SM90=args.fwd_sm90,
+               FLASHATTN_BWD_SM90=args.bwd_sm90)
+    kernel_regex = args.kernel_regex or (BACKWARD_KERNEL_REGEX if args.backward else KERNEL_REGEX)
+    cmd = [ncu, "--csv", "--metrics", "gpu__time_duration.sum", "-k", kernel_regex, sys.executable,
            str(Path(__file__).resolve()), "--launch", "--shapes", args.shapes, "--launches", str(args.launches),
            "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--dtype", args.dtype]
+    if args.backward:
+        cmd.append("--backward")
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if result.returncode != 0:
         raise RuntimeError(f"ncu failed for {build_dir} (rc {result.returncode}):\n{result.stderr[-2000:]}")
@@ -89,7 +101,12 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048, help="H * D")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--fwd-sm90", default="strict", help="FLASHATTN_FWD_SM90 for the runs (strict: Hopper only)")
-    parser.add_argument("--kernel-regex", default=KERNEL_REGEX, help="ncu -k filter: the kernels to time")
+    parser.add_argument("--backward", action="store_true",
+                        help="time the Hopper backward kernel of a forward + backward call instead of the forward")
+    parser.add_argument("--bwd-sm90", default="strict", help="FLASHATTN_BWD_SM90 for the runs (with --backward)")
+    parser.add_argument("--kernel-regex", default=None,
+                        help="ncu -k filter: the kernels to time (one launch per call; default: the forward's, or "
+                             "the Hopper backward's with --backward)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per ncu run")
     parser.add_argument("--launch", action="store_true", help=argparse.SUPPRESS)  # the profiled workload itself
     args = parser.parse_args()
