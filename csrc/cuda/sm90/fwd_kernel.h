@@ -587,6 +587,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // kLastOInV, a bit per stage: the stage's V holds the last consumer's staged O, and the parity of its o_in_v_free.
     [[maybe_unused]] uint32_t o_in_v = 0, o_in_v_parity = 0;
     [[maybe_unused]] uint32_t o_in_k = 0, o_in_k_parity = 0;  // the same for K stages with kFirstOInK
+    // Before a stage holding a staged O (its bit in `holds`) is reloaded, the O has to have left (`freed[stage]`).
+    [[maybe_unused]] const auto wait_staged_o_left = [](uint32_t& holds, uint32_t& parity, uint64_t* freed, int stage) {
+      if ((holds >> stage) & 1) {
+        mbarrier_wait(&freed[stage], (parity >> stage) & 1);
+        holds &= ~(1u << stage);
+        parity ^= 1u << stage;
+      }
+    };
     int index = blockIdx.x;
     int n_begin = 0, n_end = 0;  // the key blocks of tile `index` this CTA computes (all but with stream-K)
     StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);
@@ -629,26 +637,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int use = kv_loads / kStages;
         const int row = tile.key_start(n_block, p);
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
-        if constexpr (Traits::kFirstOInK) {
-          if ((o_in_k >> stage) & 1) {  // an earlier tile's O staged here has to have left
-            mbarrier_wait(&smem.o_in_k_free[stage], (o_in_k_parity >> stage) & 1);
-            o_in_k &= ~(1u << stage);
-            o_in_k_parity ^= 1u << stage;
-          }
-        }
+        if constexpr (Traits::kFirstOInK) wait_staged_o_left(o_in_k, o_in_k_parity, smem.o_in_k_free, stage);
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
                       tile.kv_head(p), tile.batch);
         }
         if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
-        if constexpr (Traits::kLastOInV) {
-          if ((o_in_v >> stage) & 1) {  // an earlier tile's O staged here has to have left
-            mbarrier_wait(&smem.o_in_v_free[stage], (o_in_v_parity >> stage) & 1);
-            o_in_v &= ~(1u << stage);
-            o_in_v_parity ^= 1u << stage;
-          }
-        }
+        if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
         mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < kColumnBlocks; ++c) {
           tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
