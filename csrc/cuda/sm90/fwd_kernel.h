@@ -254,11 +254,13 @@ __device__ __forceinline__ void issue_qk(float (&s)[Traits::kBlockN / 2], const 
   auto& s_columns = reinterpret_cast<float(&)[kColumns / 2]>(s);
   wgmma_fence_registers(s);
   wgmma_fence();
+  const uint64_t q_desc = smem_desc_sw128(q_rows), k_desc = smem_desc_sw128(k_tile);
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int c = kk / 4, k_in_row = (kk % 4) * 16;
-    Wgmma<T, kColumns>::template ss<false>(s_columns, smem_desc_sw128(q_rows + c * Traits::kSubTileQ + k_in_row),
-                                           smem_desc_sw128(k_tile + c * Traits::kSubTileKV + k_in_row), kk > 0);
+    Wgmma<T, kColumns>::template ss<false>(
+        s_columns, desc_advance(q_desc, (c * Traits::kSubTileQ + k_in_row) * sizeof(T)),
+        desc_advance(k_desc, (c * Traits::kSubTileKV + k_in_row) * sizeof(T)), kk > 0);
   }
   wgmma_commit();
 }
@@ -271,10 +273,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint3
   wgmma_fence_registers(o);  // the rescale and the P packing must land before the wgmmas read them
   wgmma_fence_registers(p);
   wgmma_fence();
+  const uint64_t v_desc = smem_desc_sw128(v_tile, Traits::kSubTileKV * sizeof(T));
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    Wgmma<T, Traits::kHeadDim>::template rs<true>(
-        o, p[kk], smem_desc_sw128(v_tile + kk * 16 * 64, Traits::kSubTileKV * sizeof(T)), true);
+    Wgmma<T, Traits::kHeadDim>::template rs<true>(o, p[kk], desc_advance(v_desc, kk * 16 * 64 * sizeof(T)), true);
   }
   wgmma_commit();
 }
