@@ -1,13 +1,13 @@
 """benchmarks/ncu_ab.py on the CPU: its parsing of Nsight Compute's CSV and the ncu command it builds (the profiling
 itself needs a GPU)."""
-import importlib.util
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-NCU_AB = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_ab.py"
+from scripts import load_benchmark
+
 
 # The shape of `ncu --csv --metrics gpu__time_duration.sum` output: a header row, then a row per launch and metric;
 # lines that do not start with a quote (ncu's ==PROF== log, the workload's own prints) are not part of the table.
@@ -27,10 +27,7 @@ NCU_CSV = """==PROF== Connected to process 1234
 
 @pytest.fixture(scope="module")
 def ncu_ab():
-    spec = importlib.util.spec_from_file_location("ncu_ab", NCU_AB)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ncu_ab")
 
 
 def test_medians_skip_each_shapes_warm_up_launch(ncu_ab):

@@ -1,12 +1,11 @@
 """benchmarks/power_probe.py on the CPU: its shape arguments and its summary of nvidia-smi's samples (the runs
 themselves need a GPU)."""
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-POWER_PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "power_probe.py"
+from scripts import load_benchmark
+
 
 # nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
 #            --format=csv,noheader,nounits: six samples, the first two (the first third) while the card settles.
@@ -22,10 +21,7 @@ SAMPLES = """2026/11/30 15:50:00.000, 1980, 300.10, 45, 0x0000000000000000
 
 @pytest.fixture(scope="module")
 def power_probe():
-    spec = importlib.util.spec_from_file_location("power_probe", POWER_PROBE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("power_probe")
 
 
 def test_shapes(power_probe):
