@@ -354,23 +354,26 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3])
+@pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3, 1.0])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("len_q,len_k", [(300, 1000), (2000, 2100)], ids=["short", "long"])
-def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k):
+def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
     # Scores that grow along the keys by `growth` (log2 units per key) in even rows and half that in odd ones, so the
-    # row max rises on every key block: by less than the Hopper forward's lazy-rescale threshold per block (its
-    # exponentials then reach up to 2^8), by more, or never (growth < 0), and the rows of one warp move on different
-    # blocks. fwd_kernel.h: kLazyRescaleLog2; "long" reaches the three-consumer causal D64 kernel, whose first tile of a
-    # head starts at row -112 there (kTilesEndAtLq).
+    # row max rises on every key block, or never (growth < 0), and the rows of one warp move on different blocks. The
+    # Hopper forward takes a key block's exponentials against the row's unmoved reference while each row's sum stays
+    # below 2^14 (fwd_kernel.h, kOptimisticExp, kOptimisticSumLog2): at 0.01 they all stand, at 0.05 (8.8 per 176-key
+    # block) for a block or so before the reference must move, at 0.3 and 1.0 no block's do; at 1.0 (176 per block) the
+    # exponentials overflow to inf and S is recomputed. fp16's P holds at most 65504. "long" reaches the
+    # three-consumer causal D64 kernel, whose first tile of a head starts at row -112 there (kTilesEndAtLq).
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = 1.0 / math.sqrt(head_dim)
     q = 0.1 * q
     q[..., 0::2, 0] = 1.0
     q[..., 1::2, 0] = 0.5
     k[..., 0] = growth * torch.arange(len_k, device="cuda") / (scale * math.log2(math.e))
-    run_and_check(*(t.to(torch.bfloat16) for t in (q, k, v)), causal)
+    run_and_check(*(t.to(dtype) for t in (q, k, v)), causal)
 
 
 @pytest.mark.cuda
