@@ -363,7 +363,7 @@ def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
     # Scores that grow along the keys by `growth` (log2 units per key) in even rows and half that in odd ones, so the
     # row max rises on every key block, or never (growth < 0), and the rows of one warp move on different blocks. The
     # Hopper forward takes a key block's exponentials against the row's unmoved reference while each row's sum stays
-    # below 2^14 (fwd_kernel.h, kOptimisticExp, kOptimisticSumLog2): at 0.01 they all stand, at 0.05 (8.8 per 176-key
+    # below 2^14 (fwd_kernel.h, kOptimisticExp, kOptimisticSumLimit): at 0.01 they all stand, at 0.05 (8.8 per 176-key
     # block) for a block or so before the reference must move, at 0.3 and 1.0 no block's do; at 1.0 (176 per block) the
     # exponentials overflow to inf and S is recomputed. fp16's P holds at most 65504. "long" reaches the
     # three-consumer causal D64 kernel, whose first tile of a head starts at row -112 there (kTilesEndAtLq).
