@@ -328,6 +328,21 @@ struct RowSoftmax {
     }
   }
 
+  // Row h's entries of s become exp2(s * scale_log2 - base); returns their sum.
+  __device__ __forceinline__ static float exp_row(float (&s)[kBlockN / 2], int h, float scale_log2, float base) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float& x = s[4 * j + 2 * h + c];
+        x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
+        sum += x;
+      }
+    }
+    return sum;
+  }
+
   // kOptimisticExp: s becomes exp2(s * scale_log2 - reference) with the references unmoved, and block_sum the rows'
   // sums over this thread's columns. Returns whether they can stand: every row below the bound (NaN passes, as it
   // would through the max) and no row without a reference (-inf) saw a key. The caller votes over the warpgroup, then
@@ -339,17 +354,7 @@ struct RowSoftmax {
     bool fits = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float base = softmax_base_log2(row_max[h], scale_log2);
-      block_sum[h] = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * j + 2 * h + c];
-          x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
-          block_sum[h] += x;
-        }
-      }
+      block_sum[h] = exp_row(s, h, scale_log2, softmax_base_log2(row_max[h], scale_log2));
       // Bitwise, not short-circuit: no branches in the key loop.
       fits &= !(block_sum[h] >= kOptimisticSumLimit) & (block_sum[h] == 0.f | row_max[h] != -INFINITY);
     }
@@ -375,17 +380,7 @@ struct RowSoftmax {
       rescale[h] = move ? sm80::fast_exp2(row_max[h] * scale_log2 - base) : 1.f;
       row_max[h] = reference;
       moved |= move;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * j + 2 * h + c];
-          x = sm80::fast_exp2(fmaf(x, scale_log2, -base));
-          sum += x;
-        }
-      }
-      row_sum[h] = row_sum[h] * rescale[h] + sum;
+      row_sum[h] = row_sum[h] * rescale[h] + exp_row(s, h, scale_log2, base);
     }
     return moved;
   }
