@@ -15,8 +15,11 @@
 //     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
 //     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (where kSoftmaxUnderPV keeps ptxas from
-//                                                                   hoisting the next wait above it)
-//     wait for P V; rescale O (only where a row's max moved, with kLazyRescale); pack P[n]
+//                                                                   hoisting the next wait above it); with
+//                                                                   kOptimisticExp against the row's unmoved
+//                                                                   reference, no max, unless the block's sums
+//                                                                   grow too large (then S again and the max)
+//     wait for P V; rescale O (only where a row's reference moved); pack P[n]
 //
 // With kPingPong the consumers also take turns issuing their GEMMs (one named barrier each, round robin), so one
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy. Under a causal mask a consumer computes
