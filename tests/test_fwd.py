@@ -366,8 +366,8 @@ def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
     # thread's columns stays below 2^14 (fwd_kernel.h, kOptimisticExp): with growth 0.01 the blocks stand until the
     # scores have risen about 8.5 log2 units past the reference, at 0.05 (8.8 per 176-key block) about every other
     # block is turned back, at 0.3 and 1.0 every one; at 1.0 the exponentials of the 128- and 176-key blocks overflow
-    # to inf. fp16's P holds at most 65504. Here the last key block, which never takes that path, dominates the rows
-    # without a mask: test_cuda_turned_back_key_blocks puts the peak in an earlier one. "long" reaches the
+    # to inf. fp16's P holds at most 65504. Here the last key block dominates the rows without a mask:
+    # test_cuda_turned_back_key_blocks puts the peak in an earlier one. "long" reaches the
     # three-consumer causal D64 kernel, whose first tile of a head starts at row -112 there (kTilesEndAtLq).
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = 1.0 / math.sqrt(head_dim)

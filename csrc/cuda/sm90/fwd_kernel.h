@@ -133,7 +133,7 @@ struct FwdTraits {
   // After a tile's first key block, take each block's exponentials against the row's reference without the block's
   // max (RowSoftmax::exp_against_reference): no max chain and no shuffles before the exp2s, no O rescale. A block
   // whose exponentials grow too large for that (rare: a row's scores rising far above every earlier block's) has its
-  // S computed again and takes the max-based update, as does a tile's last block. Replaces kLazyRescale where set.
+  // S computed again and takes the max-based update. Replaces kLazyRescale where set.
   // Measured as an upper bound (NOTES.md, v21, "UB"): +5.6% to +9.4% at D128 without a mask, +3.7% to +8.6% causal.
   static constexpr bool kOptimisticExp = true;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
@@ -932,10 +932,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
-      // With kOptimisticExp K[n] stays until the softmax is done: a turned-back block recomputes S from it (and from
-      // Q, which the tile's last block, taking the max-based update, releases at once).
-      if constexpr (!Traits::kOptimisticExp) mbarrier_arrive(&smem.k_empty[stage]);
-      if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
+      // With kOptimisticExp K[n] stays until the softmax is done, and Q until the loop ends: a turned-back block
+      // recomputes S from them.
+      if constexpr (!Traits::kOptimisticExp) {
+        mbarrier_arrive(&smem.k_empty[stage]);
+        if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
+      }
       last_cols(n_block, n_start, last_col);
       // Then wait for P[n-1] V[n-1]: O and the P registers are free again.
       const auto wait_pv = [&] {
@@ -945,22 +947,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       };
       bool moved;
       if constexpr (Traits::kOptimisticExp) {
-        const bool last_block = n_block == my_n_end - 1;
         float block_sum[2];
-        moved = last_block || !warpgroup_all(softmax.exp_against_reference(s, scale_log2, negate,
+        moved = !warpgroup_all(softmax.exp_against_reference(s, scale_log2, negate,
                                                                            needs_mask(n_block, n_start), last_col,
                                                                            block_sum),
                                              kVoteBarrier + consumer);
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
           softmax.row_sum[1] += block_sum[1];
-        } else {  // warpgroup-uniform
-          if (!last_block) {  // rare: S again, from the Q and K still in shared memory
-            wait_pv();
-            issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
-            wgmma_wait<0>();
-            wgmma_fence_registers(s);
-          }
+        } else {  // warpgroup-uniform, rare: S again, from the Q and K still in shared memory
+          wait_pv();
+          issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
+          wgmma_wait<0>();
+          wgmma_fence_registers(s);
           softmax.template update<false>(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
@@ -981,6 +980,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
     }
 
+    // Q free after the loop with kOptimisticExp (its last block may compute S again): here, before the last P V, rather
+    // than inside the loop, where ptxas serialised the wgmmas (C7511).
+    if (Traits::kOptimisticExp && q_free_after_s && my_n_end - n_begin > 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     // The last P V.
     const int last = stage_of(my_n_end - 1);
     mbarrier_wait(&smem.v_full[last], parity_of(my_n_end - 1));
