@@ -345,6 +345,23 @@ torch::Tensor merge_split_tile_probe(torch::Tensor parts, double scale_log2, boo
   return merged;
 }
 
+// Thread t of warpgroup w votes values[round][t] with warpgroup_all on barrier 4 + w, round after round, as the
+// forward's consumers do once per key block (kOptimisticExp); out[round][t] is what it got back.
+__global__ void __launch_bounds__(384) warpgroup_all_kernel(const int* values, int rounds, int* out) {
+  const int t = threadIdx.x, warpgroup = t / 128;
+  for (int round = 0; round < rounds; ++round) {
+    out[round * 384 + t] = flashattn::sm90::warpgroup_all(values[round * 384 + t] != 0, 4 + warpgroup);
+  }
+}
+
+// values: (rounds, 384) int32, contiguous. Returns (rounds, 384) int32: each thread's vote result.
+torch::Tensor warpgroup_all_probe(torch::Tensor values) {
+  auto out = torch::full_like(values, -1);
+  warpgroup_all_kernel<<<1, 384>>>(values.data_ptr<int>(), static_cast<int>(values.size(0)), out.data_ptr<int>());
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "warpgroup_all_probe launch failed");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -354,4 +371,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_probe", &attention_probe);
   m.def("tma_negative_rows_probe", &tma_negative_rows_probe);
   m.def("merge_split_tile_probe", &merge_split_tile_probe);
+  m.def("warpgroup_all_probe", &warpgroup_all_probe);
 }

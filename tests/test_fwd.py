@@ -354,23 +354,58 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3])
+@pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3, 1.0])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("len_q,len_k", [(300, 1000), (2000, 2100)], ids=["short", "long"])
-def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k):
+def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
     # Scores that grow along the keys by `growth` (log2 units per key) in even rows and half that in odd ones, so the
-    # row max rises on every key block: by less than the Hopper forward's lazy-rescale threshold per block (its
-    # exponentials then reach up to 2^8), by more, or never (growth < 0), and the rows of one warp move on different
-    # blocks. fwd_kernel.h: kLazyRescaleLog2; "long" reaches the three-consumer causal D64 kernel, whose first tile of a
-    # head starts at row -112 there (kTilesEndAtLq).
+    # row max rises on every key block, or never (growth < 0), and the rows of one warp move on different blocks. The
+    # Hopper forward takes a key block's exponentials against the row's unmoved reference while each row's sum over a
+    # thread's columns stays below 2^14 (fwd_kernel.h, kOptimisticExp): with growth 0.01 the blocks stand until the
+    # scores have risen about 8.5 log2 units past the reference, at 0.05 (8.8 per 176-key block) about every other
+    # block is turned back, at 0.3 and 1.0 every one; at 1.0 the exponentials of the 128- and 176-key blocks overflow
+    # to inf. fp16's P holds at most 65504. Here the last key block dominates the rows without a mask:
+    # test_cuda_turned_back_key_blocks puts the peak in an earlier one. "long" reaches the
+    # three-consumer causal D64 kernel, whose first tile of a head starts at row -112 there (kTilesEndAtLq).
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = 1.0 / math.sqrt(head_dim)
     q = 0.1 * q
     q[..., 0::2, 0] = 1.0
     q[..., 1::2, 0] = 0.5
     k[..., 0] = growth * torch.arange(len_k, device="cuda") / (scale * math.log2(math.e))
-    run_and_check(*(t.to(torch.bfloat16) for t in (q, k, v)), causal)
+    run_and_check(*(t.to(dtype) for t in (q, k, v)), causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("growth", [0.05, 1.0])
+@pytest.mark.parametrize("sign", [1, -1], ids=["scale+", "scale-"])
+@pytest.mark.parametrize(
+    "head_dim,len_q,len_k",
+    [(64, 2000, 2100), (128, 2000, 2100), (128, 600, 5000), (256, 300, 512), (256, 2000, 2100)],
+)
+def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causal, dtype):
+    # Scores that rise by `growth` log2 units per key up to 60% of the keys and fall after it, so a middle key block
+    # dominates each row that sees it, and the blocks before it are turned back by the Hopper forward's optimistic
+    # exponentials (fwd_kernel.h, kOptimisticExp: S computed again from shared memory, then the max-based update;
+    # at growth 1.0 after overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with
+    # 176-key blocks (with a causal mask above 4096 keys) and its stream-K tail (12 key blocks, 384 tiles), D256 with
+    # 64-key (512 keys without a mask) and 80-key blocks; 24 heads give every CTA several tiles, so the held K stages
+    # and the next tiles' loads interleave. A negative scale takes the negated scores through the same path.
+    heads = 24
+    q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
+    scale = sign / math.sqrt(head_dim)
+    q = 0.1 * q
+    q[..., 0::2, 0] = 1.0
+    q[..., 1::2, 0] = 0.5
+    keys = torch.arange(len_k, device="cuda", dtype=torch.float32)
+    peak = int(0.6 * len_k)
+    profile = growth * (peak - (keys - peak).abs())  # log2 units, for the even rows
+    k[..., 0] = sign * profile / (abs(scale) * math.log2(math.e))
+    run_and_check(*(t.to(dtype) for t in (q, k, v)), causal, scale)
 
 
 @pytest.mark.cuda

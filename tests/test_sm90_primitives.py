@@ -104,6 +104,23 @@ def test_stream_k_merge_is_the_same_whichever_part_takes_the_lock_first(probe):
 
 @pytest.mark.cuda
 @needs_hopper
+def test_warpgroup_vote_is_per_warpgroup_and_per_round(probe):
+    # ptx.h warpgroup_all (bar.red.and over a warpgroup's 128 threads), the forward's vote on each key block's
+    # optimistic exponentials: three warpgroups, each on its own barrier, voting round after round.
+    rounds = torch.ones(6, 384, dtype=torch.int32)
+    rounds[1, 128 + 77] = 0  # one thread of warpgroup 1
+    rounds[2, 127] = 0  # the last thread of warpgroup 0 and the first of warpgroup 2
+    rounds[2, 256] = 0
+    rounds[3] = 0  # every thread
+    rounds[4, ::2] = 0  # every other thread
+    rounds[5] = (torch.rand(384) > 0.002).int()  # random, mostly ones
+    got = probe.warpgroup_all_probe(rounds.cuda()).cpu()
+    expected = rounds.view(6, 3, 128).all(dim=2).int().repeat_interleave(128, dim=1)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.cuda
+@needs_hopper
 def test_threads_store_a_swizzled_tile_that_wgmma_reads_as_a(probe):
     x, y, z = (torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     acc, out, tile, out_k_major = probe.transposed_a_probe(x, y, z)

@@ -196,4 +196,20 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Whether `value` holds in every thread of the warpgroup: a named barrier over its 128 threads with an AND reduction.
+__device__ __forceinline__ bool warpgroup_all(bool value, int barrier_id) {
+  uint32_t all;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p, q;\n"
+      "  setp.ne.u32 q, %1, 0;\n"
+      "  bar.red.and.pred p, %2, 128, q;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(all)
+      : "r"(static_cast<uint32_t>(value)), "r"(barrier_id)
+      : "memory");
+  return all != 0;
+}
+
 }  // namespace flashattn::sm90
