@@ -126,16 +126,16 @@ struct FwdTraits {
   // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
-  // Rescale O only on blocks where a row's reference max moved (RowSoftmax::update, kLazy). Measured (NOTES.md, v12):
-  // +2-6% at D256, +0-3% at D64 with three consumers; neutral at D128 causal, 4% slower in the two-consumer causal
-  // D64 kernel (at L1k, which it then ran).
-  static constexpr bool kLazyRescale = HeadDim == 256 || kConsumers == 3;
   // After a tile's first key block, take each block's exponentials against the row's reference without the block's
   // max (RowSoftmax::exp_against_reference): no max chain and no shuffles before the exp2s, no O rescale. A block
   // whose exponentials grow too large for that (rare: a row's scores rising far above every earlier block's) has its
-  // S computed again and takes the max-based update. Replaces kLazyRescale where set.
-  // Measured as an upper bound (NOTES.md, v21, "UB"): +5.6% to +9.4% at D128 without a mask, +3.7% to +8.6% causal.
-  static constexpr bool kOptimisticExp = true;
+  // S computed again and takes the max-based update. Measured (NOTES.md, v22), L 1k-16k: +2-10% at D128 without a
+  // mask, +1.5-7% causal, +5-7% at D64; at D256 -1.7% to +1.5%, where the recompute's wgmmas also spill, so not there.
+  static constexpr bool kOptimisticExp = HeadDim != 256;
+  // Without kOptimisticExp: rescale O only on blocks where a row's reference max moved (RowSoftmax::update, kLazy).
+  // Measured (NOTES.md, v12): +2-6% at D256, +0-3% at D64 with three consumers; neutral at D128 causal, 4% slower in
+  // the two-consumer causal D64 kernel (at L1k, which it then ran).
+  static constexpr bool kLazyRescale = !kOptimisticExp && (HeadDim == 256 || kConsumers == 3);
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
