@@ -29,9 +29,9 @@
 // Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA; lse
 // from registers. The staging buffer: a buffer per consumer where shared memory has room (kOBuffers); else the last
 // consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, else the
-// K stage of that block (kFirstOInK) or its own rows of Q (kOInQ); direct 4-byte stores at D64 without a mask, where
-// staging does not pay. A warp's staged rows are released (o_free, o_in_v_free, o_in_k_free) once the store has read
-// them, which it waits for after issuing the next tile's first S GEMM (the first consumer's Q rows with kOInQ at once).
+// K stage of that block (kFirstOInK) or its own rows of Q (kOInQ). A warp's staged rows are released (o_free,
+// o_in_v_free, o_in_k_free) once the store has read them, which it waits for after issuing the next tile's first S
+// GEMM (the first consumer's Q rows with kOInQ at once).
 #pragma once
 
 #include <cuda.h>
@@ -147,17 +147,12 @@ struct FwdTraits {
   // O leaves through shared memory and TMA stores (whole 128-byte lines, no scattered 4-byte stores; the tensor map
   // clips rows past Lq and columns past D): through a staging buffer per consumer beside Q and the K/V ring, or, where
   // shared memory is short, the V stage a tile's last P V has read and one buffer or the Q rows (kLastOInV, kOInQ,
-  // below). Measured (NOTES.md, v10 and v11): +5-11% at D128 L1k, +0-6% at 2k-4k; neutral at D64 causal (two
-  // consumers); 0-6% slower at D64 without a mask at every length (ptxas then schedules the three 160-register
-  // consumers' softmax worse), so direct 4-byte stores there. The three-consumer causal D64 kernel (L >= 1024) stages
-  // O; not measured against direct stores.
-  static constexpr bool kStageO = !(HeadDim == 64 && !Causal);
-  static_assert(kStageO || !kTilesEndAtLq, "the first tile's rows before 0 need the staged O stores, which skip them");
+  // below). Measured against direct 4-byte stores (NOTES.md, v10, v11 and v23): +5-11% at D128 L1k, +0-6% at 2k-4k;
+  // at D64 without a mask +3% / +2% at L 1k / 2k and neutral above since kOptimisticExp (before it 0-6% slower there).
   static constexpr int kMaxSmemBytes = 227 * 1024;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
                                         256 /* barriers */;
-  static constexpr int kOBuffers = !kStageO                                                   ? 0
-                                   : kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
+  static constexpr int kOBuffers = kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
                                                                                                : 0;
   static constexpr int kSmemBytes = kPipelineBytes + kOBuffers * kTileO * 2;  // 16-bit elements
@@ -170,8 +165,9 @@ struct FwdTraits {
   //   part per consumer (64-row boxes), the first consumer's once its O has left. Measured against direct stores
   //   (v13): +2-7% at L 2k-16k. There kFirstOInK measured -2.2% at 4k, +1.1% at 8k (v20): causal tiles are shorter,
   //   so the next tile's second K, which waits for the O store, is needed sooner.
-  static constexpr bool kFirstOInK = kStageO && kOBuffers == 0 && kQStages == 1 && !Causal;
-  static constexpr bool kOInQ = kStageO && kOBuffers == 0 && kQStages == 1 && Causal;
+  static constexpr bool kFirstOInK = kOBuffers == 0 && kQStages == 1 && !Causal;
+  static constexpr bool kOInQ = kOBuffers == 0 && kQStages == 1 && Causal;
+  static_assert(kOBuffers > 0 || kFirstOInK || kOInQ, "every consumer needs somewhere to stage its O");
   // Where shared memory has no buffer per consumer (D128 with 176-key blocks and D256 with 64-key blocks: one buffer,
   // for the first consumer; D256 with 80-key blocks: kFirstOInK or kOInQ), the last consumer stages its O in the V
   // stage of its tile's last key block, once every consumer's last P V has read it; the producer loads that stage's
@@ -1021,84 +1017,65 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
-    if constexpr (Traits::kOBuffers > 0 || Traits::kOInQ || Traits::kFirstOInK) {
-      // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
-      // reads, and its lane 0 stores them with TMA. With kOInQ the first consumer's buffer is its rows of Q, handed
-      // back to the producer once stored.
-      const int sub_tile = Traits::kOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
-      T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
-      if (my_o_in_k) {
-        // The K stage of the tile's last block (kv_loads counts it last), once every consumer's S GEMM has read it.
-        const int tile_last = (kv_loads - 1) % kStages;
-        mbarrier_wait(&smem.k_empty[tile_last], parity_of(n_begin - 1));
-        staging = smem.k_stage(tile_last);
-        o_release = 4 * Traits::kOBuffers + (Traits::kLastOInV ? kStages : 0) + tile_last;
-      } else if (my_o_in_v) {
-        // Every consumer's last P V has read this V stage (the producer reloads it only after o_in_v_free). kv_loads
-        // already counts the tile's blocks, hence the shift by n_end - n_begin; spelt this way because other
-        // spellings of the same parity made ptxas serialise the wgmmas at D128 (C7511).
-        mbarrier_wait(&smem.v_empty[last], parity_of(my_n_end - 1 + n_begin - n_end));
-        staging = smem.v_stage(last);
-        o_release = 4 * Traits::kOBuffers + last;
-      } else if (!Traits::kOInQ) {
-        // The previous use of this warp's rows released (a fresh barrier's phase before its first counts as done).
-        mbarrier_wait(&smem.o_free[4 * o_buffer + warp], (o_stores & 1) ^ 1);
-        ++o_stores;
-        staging = smem.o_buffer(o_buffer);
-        o_release = 4 * o_buffer + warp;
-      }
-      T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
-      const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
-      const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
-      if (store_o) {  // else the rows are only released (the other CTA stores this stream-K tile)
+    // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
+    // reads, and its lane 0 stores them with TMA. With kOInQ the first consumer's buffer is its rows of Q, handed
+    // back to the producer once stored.
+    const int sub_tile = Traits::kOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
+    T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
+    if (my_o_in_k) {
+      // The K stage of the tile's last block (kv_loads counts it last), once every consumer's S GEMM has read it.
+      const int tile_last = (kv_loads - 1) % kStages;
+      mbarrier_wait(&smem.k_empty[tile_last], parity_of(n_begin - 1));
+      staging = smem.k_stage(tile_last);
+      o_release = 4 * Traits::kOBuffers + (Traits::kLastOInV ? kStages : 0) + tile_last;
+    } else if (my_o_in_v) {
+      // Every consumer's last P V has read this V stage (the producer reloads it only after o_in_v_free). kv_loads
+      // already counts the tile's blocks, hence the shift by n_end - n_begin; spelt this way because other
+      // spellings of the same parity made ptxas serialise the wgmmas at D128 (C7511).
+      mbarrier_wait(&smem.v_empty[last], parity_of(my_n_end - 1 + n_begin - n_end));
+      staging = smem.v_stage(last);
+      o_release = 4 * Traits::kOBuffers + last;
+    } else if (!Traits::kOInQ) {
+      // The previous use of this warp's rows released (a fresh barrier's phase before its first counts as done).
+      mbarrier_wait(&smem.o_free[4 * o_buffer + warp], (o_stores & 1) ^ 1);
+      ++o_stores;
+      staging = smem.o_buffer(o_buffer);
+      o_release = 4 * o_buffer + warp;
+    }
+    T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
+    const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
+    const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
+    if (store_o) {  // else the rows are only released (the other CTA stores this stream-K tile)
 #pragma unroll
-        for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
-          const int chunk = j + matrix / 2;
-          T* const dst = warp_rows + (chunk / 8) * sub_tile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
-          stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
-                      sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
-                      sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
-                      sm80::pack2<T>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
-        }
-        fence_proxy_async_smem();  // the TMA (async proxy) reads what the threads wrote
+      for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
+        const int chunk = j + matrix / 2;
+        T* const dst = warp_rows + (chunk / 8) * sub_tile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+        stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                    sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                    sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                    sm80::pack2<T>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
       }
-      __syncwarp();
-      if (lane == 0) {
-        const int first_row = tile.m_start + 64 * consumer + 16 * warp;
-        // No TMA store before row 0 (kTilesEndAtLq).
-        if (store_o && first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {
+      fence_proxy_async_smem();  // the TMA (async proxy) reads what the threads wrote
+    }
+    __syncwarp();
+    if (lane == 0) {
+      const int first_row = tile.m_start + 64 * consumer + 16 * warp;
+      // No TMA store before row 0 (kTilesEndAtLq).
+      if (store_o && first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {
 #pragma unroll
-          for (int c = 0; c < kColumnBlocks; ++c) {
-            if (64 * c < p.head_dim) {
-              tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
-            }
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          if (64 * c < p.head_dim) {
+            tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
           }
         }
-        bulk_commit_group();
-        if (Traits::kOInQ && !my_o_in_v) {
-          bulk_wait_group_read<0>();  // Q's rows may be loaded again
-          mbarrier_arrive(&smem.q_empty[q_barrier]);
-        }
       }
-      o_staged = !Traits::kOInQ || my_o_in_v;  // released by release_staged_o
-    } else {
-      // Direct 4-byte stores (rows past Lq and columns past D skipped).
-      T* const o_base = tile.template out<T>(p);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = tile.m_start + row_in_block0 + 8 * h;
-        if (!store_o || row >= p.len_q) continue;
-        T* const out_row = o_base + static_cast<int64_t>(row) * p.o_row_stride;
-#pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          const int col = 8 * j + 2 * (lane % 4);
-          if (col < p.head_dim) {  // head_dim is a multiple of 8: the pair is in range and 4-byte aligned
-            *reinterpret_cast<uint32_t*>(out_row + col) =
-                sm80::pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
-          }
-        }
+      bulk_commit_group();
+      if (Traits::kOInQ && !my_o_in_v) {
+        bulk_wait_group_read<0>();  // Q's rows may be loaded again
+        mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
     }
+    o_staged = !Traits::kOInQ || my_o_in_v;  // released by release_staged_o
   }
   release_staged_o();
   if constexpr (Traits::kPingPong) {
@@ -1115,8 +1092,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
     return cudaErrorNotSupported;
   }
   // O in boxes of one warp's 16 rows (the output is ours, contiguous: the driver takes it).
-  if ((Traits::kOBuffers > 0 || Traits::kOInQ || Traits::kFirstOInK) &&
-      !make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
+  if (!make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
                      params.o_batch_stride, params.o_head_stride, params.o_row_stride, 16)) {
     return cudaErrorNotSupported;
   }
