@@ -944,10 +944,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       bool moved;
       if constexpr (Traits::kOptimisticExp) {
         float block_sum[2];
-        moved = !warpgroup_all(softmax.exp_against_reference(s, scale_log2, negate,
-                                                                           needs_mask(n_block, n_start), last_col,
-                                                                           block_sum),
-                                             kVoteBarrier + consumer);
+        const bool fits = softmax.exp_against_reference(s, scale_log2, negate, needs_mask(n_block, n_start),
+                                                        last_col, block_sum);
+        moved = !warpgroup_all(fits, kVoteBarrier + consumer);
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
           softmax.row_sum[1] += block_sum[1];
