@@ -132,10 +132,10 @@ struct FwdTraits {
   // S computed again and takes the max-based update. Measured (NOTES.md, v22), L 1k-16k: +2-10% at D128 without a
   // mask, +1.5-7% causal, +5-7% at D64; at D256 -1.7% to +1.5%, where the recompute's wgmmas also spill, so not there.
   static constexpr bool kOptimisticExp = HeadDim != 256;
-  // Without kOptimisticExp: rescale O only on blocks where a row's reference max moved (RowSoftmax::update, kLazy).
-  // Measured (NOTES.md, v12): +2-6% at D256, +0-3% at D64 with three consumers; neutral at D128 causal, 4% slower in
-  // the two-consumer causal D64 kernel (at L1k, which it then ran).
-  static constexpr bool kLazyRescale = !kOptimisticExp && (HeadDim == 256 || kConsumers == 3);
+  // Without kOptimisticExp (D256): rescale O only on blocks where a row's reference max moved (RowSoftmax::update,
+  // kLazy). Measured (NOTES.md, v12): +2-6% at D256 (+0-3% at D64 with three consumers; neutral at D128 causal, 4%
+  // slower in the two-consumer causal D64 kernel, before kOptimisticExp).
+  static constexpr bool kLazyRescale = !kOptimisticExp;
   static constexpr int kNThreads = (1 + kConsumers) * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kTileQ = kBlockM * HeadDim;    // elements
