@@ -42,6 +42,17 @@ def run_and_check(q, k, v, causal=False, scale=None):
     return out, lse
 
 
+def steer_scores(q, k, profile, scale):
+    """q and k (fp32) whose scores follow `profile` (per key, in log2 units of the softmax, i.e. after the scale) in
+    the even query rows and half of it in the odd ones, over small noise: query column 0 is 1 or 0.5 on a 0.1-scaled
+    rest, key column 0 the profile. Modifies k in place; returns (q, k)."""
+    q = 0.1 * q
+    q[..., 0::2, 0] = 1.0
+    q[..., 1::2, 0] = 0.5
+    k[..., 0] = profile / (scale * math.log2(math.e))
+    return q, k
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("len_q,len_k", LENGTH_PAIRS, ids=[f"q{a}-k{b}" for a, b in LENGTH_PAIRS])
 def test_seq_lengths(device, dtype, causal, len_q, len_k):
@@ -370,11 +381,7 @@ def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
     # test_cuda_turned_back_key_blocks puts the peak in an earlier one. "long" reaches the
     # three-consumer causal D64 kernel, whose first tile of a head starts at row -112 there (kTilesEndAtLq).
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
-    scale = 1.0 / math.sqrt(head_dim)
-    q = 0.1 * q
-    q[..., 0::2, 0] = 1.0
-    q[..., 1::2, 0] = 0.5
-    k[..., 0] = growth * torch.arange(len_k, device="cuda") / (scale * math.log2(math.e))
+    q, k = steer_scores(q, k, growth * torch.arange(len_k, device="cuda"), 1.0 / math.sqrt(head_dim))
     run_and_check(*(t.to(dtype) for t in (q, k, v)), causal)
 
 
@@ -399,13 +406,9 @@ def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causa
     heads = 24
     q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = sign / math.sqrt(head_dim)
-    q = 0.1 * q
-    q[..., 0::2, 0] = 1.0
-    q[..., 1::2, 0] = 0.5
     keys = torch.arange(len_k, device="cuda", dtype=torch.float32)
     peak = int(0.6 * len_k)
-    profile = growth * (peak - (keys - peak).abs())  # log2 units, for the even rows
-    k[..., 0] = sign * profile / (abs(scale) * math.log2(math.e))
+    q, k = steer_scores(q, k, growth * (peak - (keys - peak).abs()), scale)
     run_and_check(*(t.to(dtype) for t in (q, k, v)), causal, scale)
 
 
