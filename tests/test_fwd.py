@@ -281,7 +281,7 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k, dtype):
     # On Hopper, D256 (and the buckets it serves) takes 64-key blocks and an O buffer up to 512 keys (2048 under a
-    # causal mask: fwd_kernel.h, sm90_d256_short_max_keys), 80-key blocks above, with the first consumer's O staged in
+    # causal mask: launch.h, sm90_d256_short_max_keys), 80-key blocks above, with the first consumer's O staged in
     # the K stage of the tile's last block without a mask (kFirstOInK) or in its rows of Q under one (kOInQ), and the
     # second's in a V stage (kLastOInV): both sides of each switch, and the 80-key kernels over several tiles per CTA,
     # with a consumer that has no rows, and with tiles that see no key. Both kernels are correct on either side, so this
@@ -293,30 +293,36 @@ def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [128, 120])
 @pytest.mark.parametrize(
-    "batch,heads,len_q,len_k",
+    "causal,batch,heads,len_q,len_k",
     [
-        (1, 4, 129, 4096),
-        (1, 4, 129, 4097),
-        (2, 16, 1000, 8300),  # 256 tiles: two zigzag rounds per CTA
-        (1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key
+        (True, 1, 4, 129, 4096),
+        (True, 1, 4, 129, 4097),
+        (True, 2, 16, 1000, 8300),  # 256 tiles: two zigzag rounds per CTA
+        (True, 1, 2, 8400, 8300),  # Lq > Lk: the first 100 rows see no key
+        (False, 1, 4, 129, 2048),
+        (False, 1, 4, 129, 2049),
+        (False, 2, 16, 1000, 1999),  # 128-key blocks, the last one partial; several tiles per CTA
     ],
+    ids=lambda value: str(value),
 )
-def test_cuda_d128_causal_key_block_switch(head_dim, batch, heads, len_q, len_k):
-    # Under a causal mask D128 takes 128-key blocks up to 4096 keys and 176-key blocks above (fwd_kernel.h,
-    # sm90_d128_causal_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV), and
-    # consumers that skip the blocks their rows do not see: both sides of the switch, several tiles per CTA, and
-    # rows that see no key.
+def test_cuda_d128_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
+    # D128 takes 128-key blocks up to 2048 keys without a mask and 4096 under a causal mask, 176-key blocks above
+    # (launch.h, sm90_d128_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV);
+    # under a causal mask consumers skip the blocks their rows do not see: both sides of each switch, several tiles per
+    # CTA, and rows that see no key.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
-    run_and_check(q, k, v, causal=True)
+    run_and_check(q, k, v, causal=causal)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [128, 120])
-@pytest.mark.parametrize("len_k", [1, 64, 65, 128, 129, 176, 177, 240, 241, 305, 353, 4096])
+@pytest.mark.parametrize("len_k", [1, 64, 65, 128, 129, 176, 177, 2113, 2176, 2177, 2240, 2241, 2288, 2289, 4096])
 def test_cuda_partial_first_key_block(head_dim, len_k, dtype):
-    # Without a mask the Hopper forward at D128 (176-key blocks) computes the partial key block first and only as
-    # wide as it needs (64, 128 or 176 columns: fwd_kernel.h, kNarrowFirstBlock); every width and exact multiples.
+    # Without a mask the Hopper forward at D128 with 176-key blocks (above 2048 keys: launch.h, sm90_fwd_block_n)
+    # computes the partial key block first and only as wide as it needs (64, 128 or 176 columns: fwd_kernel.h,
+    # kNarrowFirstBlock); every width and exact multiples (2112 = 12 x 176). Up to 2048 keys the 128-key kernel, whose
+    # last block is the partial one.
     q, k, v = make_qkv(2, 4, 2, 130, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=False)
 
@@ -392,17 +398,17 @@ def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
 @pytest.mark.parametrize("sign", [1, -1], ids=["scale+", "scale-"])
 @pytest.mark.parametrize(
     "head_dim,len_q,len_k",
-    [(64, 2000, 2100), (128, 1900, 2100), (128, 600, 5000), (256, 300, 512), (256, 2000, 2100)],
+    [(64, 2000, 2100), (128, 600, 1500), (128, 1900, 2100), (128, 600, 5000), (256, 300, 512), (256, 2000, 2100)],
 )
 def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causal, dtype):
     # Scores that rise by `growth` log2 units per key up to 60% of the keys and fall after it, so a middle key block
     # dominates each row that sees it, and the blocks before it are turned back by the Hopper forward's optimistic
     # exponentials (fwd_kernel.h, kOptimisticExp: S computed again from shared memory, then the max-based update; at
-    # growth 1.0 after overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with 176-key
-    # blocks (with a causal mask above 4096 keys) and its stream-K tail (12 key blocks; 360 tiles on 132 SMs, the last
-    # 228 split), D256 with 64-key (512 keys without a mask) and 80-key blocks; 24 heads give every CTA several tiles,
-    # so the held K stages and the next tiles' loads interleave. A negative scale takes the negated scores through the
-    # same path.
+    # growth 1.0 after overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with 128-key
+    # blocks (up to 2048 keys without a mask, 4096 with one) and 176-key blocks and the stream-K tail of the latter (12
+    # key blocks; 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a mask) and 80-key
+    # blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A
+    # negative scale takes the negated scores through the same path.
     heads = 24
     q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = sign / math.sqrt(head_dim)
@@ -451,20 +457,22 @@ def stream_k_tiles(num_tiles, grid, num_n_blocks):
 @pytest.mark.parametrize(
     "head_dim,batch,len_q,len_k,scale",
     [(128, 1, 1100, 2150, None), (128, 1, 700, 2438, None), (128, 1, 300, 4000, None), (96, 1, 700, 2200, None),
-     (120, 1, 1100, 2300, None), (128, 2, 700, 2200, -0.05), (128, 1, 1100, 1037, None)],
+     (120, 1, 1100, 2300, None), (128, 2, 700, 2200, -0.05), (128, 1, 1100, 1037, None), (128, 1, 1100, 2000, None)],
 )
 def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, dtype):
-    # Without a mask the Hopper forward's D128 kernel splits its last tiles' key blocks between neighbouring CTAs, which
-    # merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where a tile
-    # has at least 12 key blocks of 176. The heads make about 2.5 rounds of 128-row tiles on this GPU, so the last 1.5
-    # rounds split. Keys: a narrow first block of 38 (2150), 88 (2200), 12 (2300) and 128 keys (4000, 23 blocks), a
-    # full-width one of 150 (2438); D96 and D120 in the D128 kernel; two batches with a negative scale; 1037 keys (6
-    # blocks) take whole tiles. GQA: two query heads per kv head. Checked against the reference, with and without the
-    # split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in
-    # key order whichever CTA finishes second, so two runs agree bit for bit.
+    # Without a mask the Hopper forward's D128 kernels split their last tiles' key blocks between neighbouring CTAs,
+    # which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where a
+    # tile has at least 12 key blocks (of 128 up to 2048 keys, 176 above). The heads make about 2.5 rounds of 128-row
+    # tiles on this GPU, so the last 1.5 rounds split. Keys: a narrow first block of 38 (2150), 88 (2200), 12 (2300) and
+    # 128 keys (4000, 23 blocks), a full-width one of 150 (2438); D96 and D120 in the D128 kernel; two batches with a
+    # negative scale; 1037 keys (9 blocks of 128) take whole tiles; 2000 keys split in the 128-key kernel (16 blocks,
+    # the last of 80). GQA: two query heads per kv head. Checked against the reference, with and without the split
+    # (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in key
+    # order whichever CTA finishes second, so two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
-    n_blocks = -(-len_k // 176)  # launch.h sm90_fwd_block_n(128, false)
+    block_n = 128 if len_k <= 2048 else 176  # launch.h sm90_fwd_block_n(128, false, len_k)
+    n_blocks = -(-len_k // block_n)
     heads = 2 * -(-5 * num_sms // (4 * m_blocks * batch))
     split = stream_k_tiles(m_blocks * heads * batch, num_sms, n_blocks) > 0
     hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"

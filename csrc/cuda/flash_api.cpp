@@ -232,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   if (use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) && fwd_schedule_override() != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
     const int64_t num_tiles = (s.len_q + kSm90StreamKBlockM - 1) / kSm90StreamKBlockM * s.heads * s.batch;
-    const int block_n = sm90_fwd_block_n(kernel_head_dim, causal);
+    const int block_n = sm90_fwd_block_n(kernel_head_dim, causal, s.len_k);
     const int64_t num_n_blocks = (s.len_k + block_n - 1) / block_n;
     params.sk_tiles = static_cast<int>(sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks));
     if (params.sk_tiles > 0) {

@@ -104,12 +104,25 @@ static_assert(sm90_static_grid(22, 2816, 132, 3, 1) == 131, "L4k: 22 query block
 static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would give one 22 tiles");
 static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
 
-// Keys per block, measured with benchmarks/tune_fwd.py (NOTES.md, v1-v3): 176 keys pay at D128 without a mask (fewer
-// per-block barriers and rescales), 128 under a causal mask (less masked work, fewer registers); at D = 256 two
-// stages of K/V must still fit next to Q (80 keys: 225 KB in all). Short key rows take 64 keys at D256 instead, and
-// long ones 176 keys at D128 under a causal mask (fwd_kernel.h, run_fwd_sm90).
-constexpr int sm90_fwd_block_n(int head_dim, bool causal) {
-  return head_dim == 64 ? 128 : head_dim == 128 ? (causal ? 128 : 176) : 80;
+// Keys per block of the Hopper forward, by head dim, mask and L_k (measured with benchmarks/tune_fwd.py; NOTES.md,
+// v1-v3 unless named). D64: 128. D128: 176 keys pay on long rows (fewer per-block barriers and turns), 128 on short
+// ones:
+// - without a mask up to sm90_d128_short_max_keys, where 1024 keys make 8 full blocks of 128, 7 of them optimistic
+//   (fwd_kernel.h, kOptimisticExp), against a first block of 144 keys computed 176 wide and 5 more (NOTES.md, v22:
+//   128 keys +3% at L 1k, +1% at 2k, -2% to -5% at 8k-16k);
+// - under a causal mask up to 4096 keys, where the diagonal's masked work weighs more than the longer blocks save
+//   (v20, at locked clocks, 176 against 128 keys: -12.8% / -3.8% at L 1k / 2k, -0.4% at 4k, +1.2% / +3.2% / +3.2% /
+//   +4.0% at 6k / 8k / 12k / 16k).
+// D256: two K/V stages must still fit next to Q: 80 keys (225 KB in all, no O staging buffer: kFirstOInK or kOInQ,
+// and kLastOInV), or 64 keys with an O buffer up to sm90_d256_short_max_keys. The 80-key kernel against the 64-key
+// one: under a causal mask 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k (v13); without a mask 9% slower at
+// 512 keys (v13), and with kFirstOInK at locked clocks +3.3% / +4.9% at 768 / 1k keys (v20).
+constexpr int64_t sm90_d128_short_max_keys(bool causal) { return causal ? 4096 : 2048; }
+constexpr int64_t sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
+constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) {
+  if (kernel_head_dim == 64) return 128;
+  if (kernel_head_dim == 128) return len_k <= sm90_d128_short_max_keys(causal) ? 128 : 176;
+  return len_k <= sm90_d256_short_max_keys(causal) ? 64 : 80;
 }
 
 // The Hopper forward without a mask gives each CTA whole tiles at a fixed stride, so where the tiles are not a
@@ -128,8 +141,8 @@ constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n
   if (num_n_blocks < 12 || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
   return num_tiles - (rounds - 1) * grid;
 }
-static_assert(sm90_stream_k_tiles(2048, 132, 12) == 200, "D128 L2k: 15 full rounds; the last 68 tiles and one round");
-static_assert(sm90_stream_k_tiles(2048, 132, 6) == 0, "D128 L1k: 6 key blocks");
+static_assert(sm90_stream_k_tiles(2048, 132, 16) == 200, "D128 L2k: 15 full rounds; the last 68 tiles and one round");
+static_assert(sm90_stream_k_tiles(2048, 132, 8) == 0, "D128 L1k: 8 key blocks");
 static_assert(sm90_stream_k_tiles(2048, 128, 12) == 0, "whole rounds");
 static_assert(sm90_stream_k_tiles(200, 132, 12) == 0, "no earlier round");
 // Its workspace (FwdParams::sk_flags, sk_partial): a slot per CTA boundary, consumer (two) and warp (four); a slot's

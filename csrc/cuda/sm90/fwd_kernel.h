@@ -50,26 +50,14 @@
 
 namespace flashattn::sm90 {
 
-// D256 takes 64-key blocks (with an O staging buffer beside them) up to this many keys, 80-key blocks (no staging
-// buffer: kFirstOInK or kOInQ, and kLastOInV) above. Measured, the 80-key kernel against the 64-key one: under a causal
-// mask 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k (NOTES.md, v13); without a mask 9% slower at 512 keys
-// (v13), and with kFirstOInK at locked clocks +3.3% / +4.9% at 768 / 1k keys (v20).
-constexpr int sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
-
-// D128 under a causal mask takes 128-key blocks (an O buffer per consumer) up to this many keys, 176-key blocks (as
-// without a mask: one O buffer, the second consumer's O in a V stage) above, where the diagonal's masked work weighs
-// less than the longer blocks save. Measured at locked clocks (NOTES.md, v20), 176 against 128 keys: -12.8% / -3.8% at
-// L 1k / 2k, -0.4% at 4k, +1.2% / +3.2% / +3.2% / +4.0% at 6k / 8k / 12k / 16k (8k: +0.4% in a noisier first call).
-constexpr int sm90_d128_causal_short_max_keys() { return 4096; }
-
 // Consumer warpgroups of 64 rows each. At D64 the GEMMs per key block are short next to the softmax, so a third
 // warpgroup keeps the tensor cores busy while two others do exp2: +5-17% without a mask (NOTES.md, v6). Under a
 // causal mask the host takes three only for long rows (launch.h, sm90_causal_block_m). At D128/D256 the registers
 // (O is 64/128 per thread) allow only two.
 constexpr int sm90_fwd_consumers(int head_dim, bool causal) { return head_dim == 64 && !causal ? 3 : 2; }
 
-template <int HeadDim, bool Causal, int BlockN = sm90_fwd_block_n(HeadDim, Causal),
-          int Consumers = sm90_fwd_consumers(HeadDim, Causal)>
+// BlockN: keys per block (launch.h, sm90_fwd_block_n).
+template <int HeadDim, bool Causal, int BlockN, int Consumers = sm90_fwd_consumers(HeadDim, Causal)>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kConsumers = Consumers;
@@ -1136,22 +1124,19 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 // sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  if constexpr (HeadDim == 256) {
-    if (params.len_k <= sm90_d256_short_max_keys(kCausal)) {
-      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+  const int block_n = sm90_fwd_block_n(HeadDim, kCausal, params.len_k);
+  if constexpr (HeadDim == 64) {
+    if (kCausal && sm90_causal_block_m(64, params.len_q, params.len_k) == 192) {
+      return launch_fwd_sm90<T, FwdTraits<64, kCausal, 128, 3>, kCausal>(params, stream);
     }
+    return launch_fwd_sm90<T, FwdTraits<64, kCausal, 128>, kCausal>(params, stream);
+  } else if constexpr (HeadDim == 128) {
+    if (block_n == 128) return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128>, kCausal>(params, stream);
+    return launch_fwd_sm90<T, FwdTraits<128, kCausal, 176>, kCausal>(params, stream);
+  } else {
+    if (block_n == 64) return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+    return launch_fwd_sm90<T, FwdTraits<256, kCausal, 80>, kCausal>(params, stream);
   }
-  if constexpr (HeadDim == 128 && kCausal) {
-    if (params.len_k > sm90_d128_causal_short_max_keys()) {
-      return launch_fwd_sm90<T, FwdTraits<128, true, 176>, kCausal>(params, stream);
-    }
-  }
-  if constexpr (HeadDim == 64 && kCausal) {
-    if (sm90_causal_block_m(64, params.len_q, params.len_k) == 192) {
-      return launch_fwd_sm90<T, FwdTraits<64, true, sm90_fwd_block_n(64, true), 3>, kCausal>(params, stream);
-    }
-  }
-  return launch_fwd_sm90<T, FwdTraits<HeadDim, kCausal>, kCausal>(params, stream);
 }
 
 }  // namespace flashattn::sm90
