@@ -252,10 +252,10 @@ def test_cuda_several_tiles_per_cta(causal, head_dim):
 def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
     # Several tiles per CTA with one or two key blocks each (under the causal mask many see none): a consumer reaches
     # its next epilogue soon after its last, whose staged O it releases only after the next tile's first S GEMM is
-    # issued (fwd_kernel.h, release_staged_o). D128 and D256 without a mask and D256 causal (64-key blocks at these
-    # lengths) stage the second consumer's O in the V stage of the tile's last block (kLastOInV), which the producer
-    # reloads only once that O has left, also where the next tile's one block lies in the other stage; D128 and D64
-    # causal have a buffer per consumer.
+    # issued (fwd_kernel.h, release_staged_o). D256 (64-key blocks at these lengths) stages the second consumer's O
+    # in the V stage of the tile's last block (kLastOInV), which the producer reloads only once that O has left, also
+    # where the next tile's one block lies in the other stage; D128 (128-key blocks at these lengths) and D64 causal
+    # have a buffer per consumer.
     q, k, v = make_qkv(4, 16, 8, 1000, len_k, head_dim, torch.bfloat16, "cuda")
     run_and_check(q, k, v, causal)
 
@@ -321,7 +321,7 @@ def test_cuda_d128_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
 def test_cuda_partial_first_key_block(head_dim, len_k, dtype):
     # Without a mask the Hopper forward at D128 with 176-key blocks (above 2048 keys: launch.h, sm90_fwd_block_n)
     # computes the partial key block first and only as wide as it needs (64, 128 or 176 columns: fwd_kernel.h,
-    # kNarrowFirstBlock); every width and exact multiples (2112 = 12 x 176). Up to 2048 keys the 128-key kernel, whose
+    # kNarrowFirstBlock); every width and exact multiples (2288 = 13 x 176). Up to 2048 keys the 128-key kernel, whose
     # last block is the partial one.
     q, k, v = make_qkv(2, 4, 2, 130, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=False)

@@ -1124,17 +1124,20 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
 // sm80 kernel).
 template <typename T, int HeadDim, bool kCausal>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  const int block_n = sm90_fwd_block_n(HeadDim, kCausal, params.len_k);
   if constexpr (HeadDim == 64) {
     if (kCausal && sm90_causal_block_m(64, params.len_q, params.len_k) == 192) {
       return launch_fwd_sm90<T, FwdTraits<64, kCausal, 128, 3>, kCausal>(params, stream);
     }
     return launch_fwd_sm90<T, FwdTraits<64, kCausal, 128>, kCausal>(params, stream);
   } else if constexpr (HeadDim == 128) {
-    if (block_n == 128) return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128>, kCausal>(params, stream);
+    if (sm90_fwd_block_n(128, kCausal, params.len_k) == 128) {
+      return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128>, kCausal>(params, stream);
+    }
     return launch_fwd_sm90<T, FwdTraits<128, kCausal, 176>, kCausal>(params, stream);
   } else {
-    if (block_n == 64) return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+    if (sm90_fwd_block_n(256, kCausal, params.len_k) == 64) {
+      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
+    }
     return launch_fwd_sm90<T, FwdTraits<256, kCausal, 80>, kCausal>(params, stream);
   }
 }
