@@ -114,6 +114,12 @@ struct FwdTraits {
   // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
   // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
+  // Q as the A operand of S = Q K^T from registers (RS wgmma), loaded once per tile with ldmatrix and its shared
+  // memory released at once: a fifth less shared memory read per 128-key block (Q 16 KB beside K and V, 32 KB each),
+  // and the producer loads the next tile's Q early. 32 registers a thread at D128: room only beside 128-key blocks
+  // (S 64, P 32, O 64).
+  static constexpr bool kQInRegisters = HeadDim == 128 && BlockN == 128;
+  static_assert(!kQInRegisters || !kNarrowFirstBlock, "the narrow first block reads Q from shared memory");
   // After a tile's first key block, take each block's exponentials against the row's reference without the block's
   // max (RowSoftmax::exp_against_reference): no max chain and no shuffles before the exp2s, no O rescale. A block
   // whose exponentials grow too large for that (rare: a row's scores rising far above every earlier block's) has its
@@ -256,6 +262,37 @@ __device__ __forceinline__ void issue_qk(float (&s)[Traits::kBlockN / 2], const 
         desc_advance(k_desc, (c * Traits::kSubTileKV + k_in_row) * sizeof(T)), kk > 0);
   }
   wgmma_commit();
+}
+
+// The same with Q from registers (kQInRegisters: load_q_fragments).
+template <typename T, typename Traits>
+__device__ __forceinline__ void issue_qk(float (&s)[Traits::kBlockN / 2], const uint32_t (&q)[Traits::kHeadDim / 16][4],
+                                         const T* k_tile) {
+  wgmma_fence_registers(s);
+  wgmma_fence();
+  const uint64_t k_desc = smem_desc_sw128(k_tile);
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int c = kk / 4, k_in_row = (kk % 4) * 16;
+    Wgmma<T, Traits::kBlockN>::template rs<false>(
+        s, q[kk], desc_advance(k_desc, (c * Traits::kSubTileKV + k_in_row) * sizeof(T)), kk > 0);
+  }
+  wgmma_commit();
+}
+
+// A warpgroup's 64 rows of Q (q_rows: in each 64-column sub-tile, 128-byte swizzle) as the A registers of the RS
+// wgmma, k16 step kk in q[kk]: warp w's rows 16 w .. 16 w + 15; ldmatrix matrices: rows 0-7 and 8-15 of the step's
+// first 8 columns, then of its last 8.
+template <typename T, typename Traits>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[Traits::kHeadDim / 16][4], const T* q_rows, int warp,
+                                                 int lane) {
+  const int matrix = lane / 8;  // lanes 8m .. 8m + 7 address matrix m's rows
+  const int row = 16 * warp + lane % 8 + 8 * (matrix % 2);
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const int chunk = (kk % 4) * 2 + matrix / 2;  // 8-column chunk in the sub-tile
+    sm80::ldmatrix_x4(q[kk], q_rows + (kk / 4) * Traits::kSubTileQ + row * 64 + (chunk ^ (row % 8)) * 8);
+  }
 }
 
 // O += P V: V (keys x D) is MN-major; a k16 step is 16 rows (2 KB) down the sub-tiles, and the leading byte offset
@@ -863,6 +900,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
     ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
+    [[maybe_unused]] uint32_t q_frag[Traits::kQInRegisters ? kHeadDim / 16 : 1][4];
+    if constexpr (Traits::kQInRegisters) {
+      load_q_fragments<T, Traits>(q_frag, q_rows, warp, lane);
+      mbarrier_arrive(&smem.q_empty[q_barrier]);  // Q stays in registers for the tile
+    }
+    // S = Q K^T into s, Q from shared memory or (kQInRegisters) from registers.
+    const auto issue_s = [&](const T* k_tile) {
+      if constexpr (Traits::kQInRegisters) {
+        issue_qk<T, Traits>(s, q_frag, k_tile);
+      } else {
+        issue_qk<T, Traits>(s, q_rows, k_tile);
+      }
+    };
     mbarrier_wait(&smem.k_full[stage_of(n_begin)], parity_of(n_begin));
     wait_turn();
     if constexpr (Traits::kNarrowFirstBlock) {  // each branch waits for its own S
@@ -885,15 +935,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         wgmma_wait<0>();
       }
     } else {
-      issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage_of(n_begin)));
+      issue_s(smem.k_stage(stage_of(n_begin)));
       pass_turn();
       release_staged_o();
       wgmma_wait<0>();
     }
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(n_begin)]);
-    // Q free for reuse after the last S GEMM (with kOInQ the last consumer's part: the lane 0s of its warps).
-    const bool q_free_after_s = !Traits::kOInQ || (my_o_in_v && lane == 0);
+    // Q free for reuse after the last S GEMM (with kOInQ the last consumer's part: the lane 0s of its warps), unless
+    // it was at once (kQInRegisters).
+    const bool q_free_after_s = !Traits::kQInRegisters && (!Traits::kOInQ || (my_o_in_v && lane == 0));
     if (q_free_after_s && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     const int first_start = tile.key_start(n_begin, p);
     // Masks the columns past the block's keys, including any the narrow S left unwritten.
@@ -909,15 +960,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int n_start = tile.key_start(n_block, p);
       mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
       wait_turn();
-      issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
+      issue_s(smem.k_stage(stage));
       mbarrier_wait(&smem.v_full[prev], parity_of(n_block - 1));
       issue_pv<T, Traits>(o, p_frag, smem.v_stage(prev));
       pass_turn();
 
       wgmma_wait<1>();  // S is ready; P[n-1] V[n-1] may still run
       wgmma_fence_registers(s);
-      // With kOptimisticExp K[n] stays until the softmax is done, and Q until the loop ends: a turned-back block
-      // recomputes S from them.
+      // With kOptimisticExp K[n] stays until the softmax is done, and Q (unless in registers) until the loop ends: a
+      // turned-back block recomputes S from them.
       if constexpr (!Traits::kOptimisticExp) {
         mbarrier_arrive(&smem.k_empty[stage]);
         if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
@@ -938,9 +989,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
           softmax.row_sum[1] += block_sum[1];
-        } else {  // warpgroup-uniform, rare: S again, from the Q and K still in shared memory
+        } else {  // warpgroup-uniform, rare: S again, from the Q and K still at hand
           wait_pv();
-          issue_qk<T, Traits>(s, q_rows, smem.k_stage(stage));
+          issue_s(smem.k_stage(stage));
           wgmma_wait<0>();
           wgmma_fence_registers(s);
           softmax.template update<false>(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
