@@ -12,7 +12,8 @@
 // causal mask launch.h's sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's
 // intra-warpgroup overlap):
 //
-//     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory)
+//     issue S = Q K[n]^T          (SS wgmma: both operands in shared memory; RS, Q from registers, with
+//                                  kQInRegisters)
 //     issue O += P[n-1] V[n-1]    (RS wgmma: P from registers, V read transposed)
 //     wait for S; softmax(S) -> P[n] while the P V wgmma still runs (where kSoftmaxUnderPV keeps ptxas from
 //                                                                   hoisting the next wait above it); with
@@ -161,6 +162,7 @@ struct FwdTraits {
   //   so the next tile's second K, which waits for the O store, is needed sooner.
   static constexpr bool kFirstOInK = kOBuffers == 0 && kQStages == 1 && !Causal;
   static constexpr bool kOInQ = kOBuffers == 0 && kQStages == 1 && Causal;
+  static_assert(!kQInRegisters || !kOInQ, "with Q in registers its shared memory is released before the epilogue");
   static_assert(kOBuffers > 0 || kFirstOInK || kOInQ, "every consumer needs somewhere to stage its O");
   // Where shared memory has no buffer per consumer (D128 with 176-key blocks and D256 with 64-key blocks: one buffer,
   // for the first consumer; D256 with 80-key blocks: kFirstOInK or kOInQ), the last consumer stages its O in the V
