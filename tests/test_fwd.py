@@ -306,10 +306,10 @@ def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
     ids=lambda value: str(value),
 )
 def test_cuda_d128_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
-    # D128 takes 128-key blocks up to 2048 keys without a mask and 4096 under a causal mask, 176-key blocks above
-    # (launch.h, sm90_d128_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV);
-    # under a causal mask consumers skip the blocks their rows do not see: both sides of each switch, several tiles per
-    # CTA, and rows that see no key.
+    # Under a causal mask D128 takes 128-key blocks up to 4096 keys and 176-key blocks above (launch.h,
+    # sm90_d128_causal_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV), where
+    # consumers skip the blocks their rows do not see: both sides of the switch, several tiles per CTA, and rows that
+    # see no key. Without a mask the 128-key kernel at every length, here around 2048 keys, its switch before v24.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
     run_and_check(q, k, v, causal=causal)
 
@@ -318,11 +318,10 @@ def test_cuda_d128_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [128, 120])
 @pytest.mark.parametrize("len_k", [1, 64, 65, 128, 129, 176, 177, 2113, 2176, 2177, 2240, 2241, 2288, 2289, 4096])
-def test_cuda_partial_first_key_block(head_dim, len_k, dtype):
-    # Without a mask the Hopper forward at D128 with 176-key blocks (above 2048 keys: launch.h, sm90_fwd_block_n)
-    # computes the partial key block first and only as wide as it needs (64, 128 or 176 columns: fwd_kernel.h,
-    # kNarrowFirstBlock); every width and exact multiples (2288 = 13 x 176). Up to 2048 keys the 128-key kernel, whose
-    # last block is the partial one.
+def test_cuda_partial_last_key_block(head_dim, len_k, dtype):
+    # Without a mask the Hopper forward at D128 takes 128-key blocks at every length (launch.h, sm90_fwd_block_n), the
+    # last one partial unless L_k is a multiple of 128 (2176 = 17 x 128): partial blocks of 1 to 127 keys, one and
+    # several blocks, above and below 2048 keys (the 176-key kernel's range before v24).
     q, k, v = make_qkv(2, 4, 2, 130, len_k, head_dim, dtype, "cuda")
     run_and_check(q, k, v, causal=False)
 
@@ -403,10 +402,11 @@ def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
 def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causal, dtype):
     # Scores that rise by `growth` log2 units per key up to 60% of the keys and fall after it, so a middle key block
     # dominates each row that sees it, and the blocks before it are turned back by the Hopper forward's optimistic
-    # exponentials (fwd_kernel.h, kOptimisticExp: S computed again from shared memory, then the max-based update; at
-    # growth 1.0 after overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with 128-key
-    # blocks (up to 2048 keys without a mask, 4096 with one) and 176-key blocks and the stream-K tail of the latter (12
-    # key blocks; 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a mask) and 80-key
+    # exponentials (fwd_kernel.h, kOptimisticExp: S computed again, then the max-based update; at growth 1.0 after
+    # overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with 128-key blocks (at every
+    # length without a mask, up to 4096 keys with one) and 176-key blocks (causal, 5000 keys) and the stream-K tail (12
+    # key blocks or more; at 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a
+    # mask) and 80-key
     # blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A
     # negative scale takes the negated scores through the same path.
     heads = 24
@@ -462,17 +462,15 @@ def stream_k_tiles(num_tiles, grid, num_n_blocks):
 def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, dtype):
     # Without a mask the Hopper forward's D128 kernels split their last tiles' key blocks between neighbouring CTAs,
     # which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where a
-    # tile has at least 12 key blocks (of 128 up to 2048 keys, 176 above). The heads make about 2.5 rounds of 128-row
-    # tiles on this GPU, so the last 1.5 rounds split. Keys: a narrow first block of 38 (2150), 88 (2200), 12 (2300) and
-    # 128 keys (4000, 23 blocks), a full-width one of 150 (2438); D96 and D120 in the D128 kernel; two batches with a
-    # negative scale; 1037 keys (9 blocks of 128) take whole tiles; 2000 keys split in the 128-key kernel (16 blocks,
-    # the last of 80). GQA: two query heads per kv head. Checked against the reference, with and without the split
+    # tile has at least 12 key blocks of 128. The heads make about 2.5 rounds of 128-row tiles on this GPU, so the last
+    # 1.5 rounds split. Keys: a partial last block of 102 (2150), 6 (2438), 24 (2200), 124 (2300) and 32 keys (4000, 32
+    # blocks); D96 and D120 in the D128 kernel; two batches with a negative scale; 1037 keys (9 blocks) take whole
+    # tiles; 2000 keys split (16 blocks, the last of 80). GQA: two query heads per kv head. Checked against the reference, with and without the split
     # (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in key
     # order whichever CTA finishes second, so two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
-    block_n = 128 if len_k <= 2048 else 176  # launch.h sm90_fwd_block_n(128, false, len_k)
-    n_blocks = -(-len_k // block_n)
+    n_blocks = -(-len_k // 128)  # launch.h sm90_fwd_block_n(128, false, len_k)
     heads = 2 * -(-5 * num_sms // (4 * m_blocks * batch))
     split = stream_k_tiles(m_blocks * heads * batch, num_sms, n_blocks) > 0
     hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"

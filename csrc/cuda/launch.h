@@ -105,23 +105,20 @@ static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would
 static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
 
 // Keys per block of the Hopper forward, by head dim, mask and L_k (measured with benchmarks/tune_fwd.py; NOTES.md,
-// v1-v3 unless named). D64: 128. D128: 176 keys pay on long rows (fewer per-block barriers and turns), 128 on short
-// ones:
-// - without a mask up to sm90_d128_short_max_keys, where 1024 keys make 8 full blocks of 128, 7 of them optimistic
-//   (fwd_kernel.h, kOptimisticExp), against a first block of 144 keys computed 176 wide and 5 more (NOTES.md, v22:
-//   128 keys +3% at L 1k, +1% at 2k, -2% to -5% at 8k-16k);
-// - under a causal mask up to 4096 keys, where the diagonal's masked work weighs more than the longer blocks save
-//   (v20, at locked clocks, 176 against 128 keys: -12.8% / -3.8% at L 1k / 2k, -0.4% at 4k, +1.2% / +3.2% / +3.2% /
-//   +4.0% at 6k / 8k / 12k / 16k).
+// v1-v3 unless named). D64: 128. D128: 128 keys (Q from registers: fwd_kernel.h, kQInRegisters) without a mask at
+// every L_k (v24 against 176-key blocks: +7.5% at L 1k, +1.2 / +0.7 / +3.2 / +0.4% at 3k / 4k / 8k / 16k) and under a causal mask up to
+// sm90_d128_causal_short_max_keys, where the diagonal's masked work weighs more than longer blocks save; 176 keys
+// above it (v20, at locked clocks, 176 against 128 keys: -12.8% / -3.8% at L 1k / 2k, -0.4% at 4k, +1.2% / +3.2% /
+// +3.2% / +4.0% at 6k / 8k / 12k / 16k, before Q came from registers).
 // D256: two K/V stages must still fit next to Q: 80 keys (225 KB in all, no O staging buffer: kFirstOInK or kOInQ,
 // and kLastOInV), or 64 keys with an O buffer up to sm90_d256_short_max_keys. The 80-key kernel against the 64-key
 // one: under a causal mask 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k (v13); without a mask 9% slower at
 // 512 keys (v13), and with kFirstOInK at locked clocks +3.3% / +4.9% at 768 / 1k keys (v20).
-constexpr int64_t sm90_d128_short_max_keys(bool causal) { return causal ? 4096 : 2048; }
+constexpr int64_t sm90_d128_causal_short_max_keys = 4096;
 constexpr int64_t sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
 constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) {
   if (kernel_head_dim == 64) return 128;
-  if (kernel_head_dim == 128) return len_k <= sm90_d128_short_max_keys(causal) ? 128 : 176;
+  if (kernel_head_dim == 128) return causal && len_k > sm90_d128_causal_short_max_keys ? 176 : 128;
   return len_k <= sm90_d256_short_max_keys(causal) ? 64 : 80;
 }
 
@@ -132,7 +129,7 @@ constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) 
 // tile long, so a tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule).
 // Returns how many tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or
 // a tile has fewer than 12 key blocks. Measured against whole tiles (NOTES.md, v17, five rounds over two calls), D128
-// L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (L1k: 6 key blocks of 176). Only in the kernels
+// L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). Only in the kernels
 // sm90_fwd_stream_k names (fwd_kernel.h, kStreamKTail, says why), whose grid is the SM count (sm90_static_grid).
 constexpr bool sm90_fwd_stream_k(int head_dim, bool causal) { return head_dim == 128 && !causal; }
 constexpr int kSm90StreamKBlockM = 128;  // that kernel's tile height (two consumers of 64 rows)

@@ -80,10 +80,6 @@ struct FwdTraits {
   // slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128 causal up to L1k (there with O staged in the Q
   // rows to make room).
   static constexpr int kStages = HeadDim == 64 && Causal && Consumers == 2 ? 3 : 2;
-  // Without a mask the partial key block (L_k mod kBlockN keys) goes first, where its S = Q K^T is computed only as
-  // wide as it needs (64 or 128 columns of the 176: an N = 64 or 128 accumulator is a prefix of the N = 176 one);
-  // every later block is full and unmasked. Only where the blocks are wider than 128 keys.
-  static constexpr bool kNarrowFirstBlock = !Causal && BlockN > 128;
   // Under a causal mask a consumer stops after the last key block its 64 rows see; for the tile's later blocks it
   // only takes its turns and releases their stages. Where the blocks are as tall as the tile (128 keys, 128 rows)
   // every consumer sees part of every block when L_q = L_k, so they do without it (the code alone cost the
@@ -120,7 +116,6 @@ struct FwdTraits {
   // and the producer loads the next tile's Q early. 32 registers a thread at D128: room only beside 128-key blocks
   // (S 64, P 32, O 64).
   static constexpr bool kQInRegisters = HeadDim == 128 && BlockN == 128;
-  static_assert(!kQInRegisters || !kNarrowFirstBlock, "the narrow first block reads Q from shared memory");
   // After a tile's first key block, take each block's exponentials against the row's reference without the block's
   // max (RowSoftmax::exp_against_reference): no max chain and no shuffles before the exp2s, no O rescale. A block
   // whose exponentials grow too large for that (rare: a row's scores rising far above every earlier block's) has its
@@ -248,19 +243,16 @@ struct SharedStorage {
 
 // S = Q K^T for this warpgroup's 64 rows: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next
 // 64-column sub-tile. Issued and committed as one group; the caller waits.
-// kColumns < kBlockN computes only the first kColumns key columns (the accumulator's first kColumns / 2 registers).
-template <typename T, typename Traits, int kColumns = Traits::kBlockN>
+template <typename T, typename Traits>
 __device__ __forceinline__ void issue_qk(float (&s)[Traits::kBlockN / 2], const T* q_rows, const T* k_tile) {
-  static_assert(kColumns <= Traits::kBlockN, "S is at most a block wide");
-  auto& s_columns = reinterpret_cast<float(&)[kColumns / 2]>(s);
   wgmma_fence_registers(s);
   wgmma_fence();
   const uint64_t q_desc = smem_desc_sw128(q_rows), k_desc = smem_desc_sw128(k_tile);
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int c = kk / 4, k_in_row = (kk % 4) * 16;
-    Wgmma<T, kColumns>::template ss<false>(
-        s_columns, desc_advance(q_desc, (c * Traits::kSubTileQ + k_in_row) * sizeof(T)),
+    Wgmma<T, Traits::kBlockN>::template ss<false>(
+        s, desc_advance(q_desc, (c * Traits::kSubTileQ + k_in_row) * sizeof(T)),
         desc_advance(k_desc, (c * Traits::kSubTileKV + k_in_row) * sizeof(T)), kk > 0);
   }
   wgmma_commit();
@@ -450,20 +442,7 @@ struct Tile {
   // The tile's rows: m_first() .. m_end(p) - 1.
   __device__ int m_first() const { return Traits::kTilesEndAtLq ? max(m_start, 0) : m_start; }
   __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, p.len_q); }
-  // Key block n covers keys key_start(n) .. key_end(n) - 1. With kNarrowFirstBlock the partial block is block 0 and
-  // block n >= 1 ends at L_k - (num_n_blocks - 1 - n) * kBlockN; otherwise blocks start at multiples of kBlockN.
-  __device__ int key_start(int n_block, const FwdParams& p) const {
-    if constexpr (Traits::kNarrowFirstBlock) {
-      return n_block == 0 ? 0 : p.len_k - (num_n_blocks - n_block) * Traits::kBlockN;
-    }
-    return n_block * Traits::kBlockN;
-  }
-  __device__ int key_end(int n_block, const FwdParams& p) const {
-    if constexpr (Traits::kNarrowFirstBlock) {
-      return p.len_k - (num_n_blocks - 1 - n_block) * Traits::kBlockN;
-    }
-    return min((n_block + 1) * Traits::kBlockN, p.len_k);
-  }
+  __device__ int key_start(int n_block) const { return n_block * Traits::kBlockN; }  // the key block's first key
   __device__ int kv_head(const FwdParams& p) const { return head / p.heads_per_kv; }
   template <typename T>
   __device__ T* out(const FwdParams& p) const {
@@ -700,7 +679,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
         const int stage = kv_loads % kStages;
         const int use = kv_loads / kStages;
-        const int row = tile.key_start(n_block, p);
+        const int row = tile.key_start(n_block);
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
         if constexpr (Traits::kFirstOInK) wait_staged_o_left(o_in_k, o_in_k_parity, smem.o_in_k_free, stage);
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
@@ -866,18 +845,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
     }
 
-    // Mask needed: the block has fewer than kBlockN keys (it reaches past L_k, or with kNarrowFirstBlock it is the
-    // partial block 0), or (causal) it reaches past the diagonal of the tile's first row (with kTilesEndAtLq maybe a
-    // row before 0: more blocks masked than needed in that tile, never fewer).
-    const auto needs_mask = [&](int n_block, int n_start) {
-      const bool partial = Traits::kNarrowFirstBlock ? n_block == 0 && tile.key_end(0, p) < kBlockN
-                                                     : n_start + kBlockN > p.len_k;
-      return partial || (kCausal && n_start + kBlockN - 1 > tile.m_start + causal_shift);
+    // Mask needed: the block reaches past L_k, or (causal) past the diagonal of the tile's first row (with
+    // kTilesEndAtLq maybe a row before 0: more blocks masked than needed in that tile, never fewer).
+    const auto needs_mask = [&](int n_start) {
+      return n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > tile.m_start + causal_shift);
     };
-    const auto last_cols = [&](int n_block, int n_start, int (&last_col)[2]) {
+    const auto last_cols = [&](int n_start, int (&last_col)[2]) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        int last = Traits::kNarrowFirstBlock ? tile.key_end(n_block, p) - 1 : p.len_k - 1;
+        int last = p.len_k - 1;
         if (kCausal) last = min(last, tile.m_start + row_in_block0 + 8 * h + causal_shift);
         last_col[h] = last - n_start - 2 * (lane % 4);
       }
@@ -917,49 +893,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     mbarrier_wait(&smem.k_full[stage_of(n_begin)], parity_of(n_begin));
     wait_turn();
-    if constexpr (Traits::kNarrowFirstBlock) {  // each branch waits for its own S
-      const T* const k_first = smem.k_stage(stage_of(n_begin));
-      const int first_keys = n_begin == 0 ? tile.key_end(0, p) : kBlockN;
-      if (first_keys <= 64) {
-        issue_qk<T, Traits, 64>(s, q_rows, k_first);
-        pass_turn();
-        release_staged_o();
-        wgmma_wait<0>();
-      } else if (first_keys <= 128) {
-        issue_qk<T, Traits, 128>(s, q_rows, k_first);
-        pass_turn();
-        release_staged_o();
-        wgmma_wait<0>();
-      } else {
-        issue_qk<T, Traits>(s, q_rows, k_first);
-        pass_turn();
-        release_staged_o();
-        wgmma_wait<0>();
-      }
-    } else {
-      issue_s(smem.k_stage(stage_of(n_begin)));
-      pass_turn();
-      release_staged_o();
-      wgmma_wait<0>();
-    }
+    issue_s(smem.k_stage(stage_of(n_begin)));
+    pass_turn();
+    release_staged_o();
+    wgmma_wait<0>();
     wgmma_fence_registers(s);
     mbarrier_arrive(&smem.k_empty[stage_of(n_begin)]);
     // Q free for reuse after the last S GEMM (with kOInQ the last consumer's part: the lane 0s of its warps), unless
     // it was at once (kQInRegisters).
     const bool q_free_after_s = !Traits::kQInRegisters && (!Traits::kOInQ || (my_o_in_v && lane == 0));
     if (q_free_after_s && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
-    const int first_start = tile.key_start(n_begin, p);
-    // Masks the columns past the block's keys, including any the narrow S left unwritten.
-    last_cols(n_begin, first_start, last_col);
+    const int first_start = tile.key_start(n_begin);
+    // Masks the columns past the block's keys.
+    last_cols(first_start, last_col);
     // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
     // under either rule): no lazy test, which here only costs registers.
-    softmax.template update<false>(s, scale_log2, negate, needs_mask(n_begin, first_start), last_col, rescale);
+    softmax.template update<false>(s, scale_log2, negate, needs_mask(first_start), last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = n_begin + 1; n_block < my_n_end; ++n_block) {
       const int stage = stage_of(n_block);
       const int prev = stage_of(n_block - 1);
-      const int n_start = tile.key_start(n_block, p);
+      const int n_start = tile.key_start(n_block);
       mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
       wait_turn();
       issue_s(smem.k_stage(stage));
@@ -975,7 +930,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_arrive(&smem.k_empty[stage]);
         if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
-      last_cols(n_block, n_start, last_col);
+      last_cols(n_start, last_col);
       // Then wait for P[n-1] V[n-1]: O and the P registers are free again.
       const auto wait_pv = [&] {
         wgmma_wait<0>();
@@ -985,7 +940,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       bool moved;
       if constexpr (Traits::kOptimisticExp) {
         float block_sum[2];
-        const bool fits = softmax.exp_against_reference(s, scale_log2, negate, needs_mask(n_block, n_start),
+        const bool fits = softmax.exp_against_reference(s, scale_log2, negate, needs_mask(n_start),
                                                         last_col, block_sum);
         moved = !warpgroup_all(fits, kVoteBarrier + consumer);
         if (!moved) {
@@ -996,11 +951,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           issue_s(smem.k_stage(stage));
           wgmma_wait<0>();
           wgmma_fence_registers(s);
-          softmax.template update<false>(s, scale_log2, negate, needs_mask(n_block, n_start), last_col, rescale);
+          softmax.template update<false>(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
       } else {
-        moved = softmax.template update<Traits::kLazyRescale>(s, scale_log2, negate, needs_mask(n_block, n_start),
+        moved = softmax.template update<Traits::kLazyRescale>(s, scale_log2, negate, needs_mask(n_start),
                                                               last_col, rescale);
       }
       if constexpr (Traits::kSoftmaxUnderPV) {
@@ -1183,10 +1138,12 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
     }
     return launch_fwd_sm90<T, FwdTraits<64, kCausal, 128>, kCausal>(params, stream);
   } else if constexpr (HeadDim == 128) {
-    if (sm90_fwd_block_n(128, kCausal, params.len_k) == 128) {
-      return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128>, kCausal>(params, stream);
+    if constexpr (kCausal) {  // 176-key blocks only under a causal mask
+      if (sm90_fwd_block_n(128, kCausal, params.len_k) == 176) {
+        return launch_fwd_sm90<T, FwdTraits<128, kCausal, 176>, kCausal>(params, stream);
+      }
     }
-    return launch_fwd_sm90<T, FwdTraits<128, kCausal, 176>, kCausal>(params, stream);
+    return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128>, kCausal>(params, stream);
   } else {
     if (sm90_fwd_block_n(256, kCausal, params.len_k) == 64) {
       return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
