@@ -2,14 +2,14 @@
 
 A variant is "KERNEL D NAME=VALUE ...": the kernel (sm80 or sm90), the head-dim bucket, and FwdTraits constants to
 replace (csrc/cuda/sm80/fwd_kernel.h: kMTiles, kNWarps, kBlockN, kMinBlocksPerSM; csrc/cuda/sm90/fwd_kernel.h:
-kConsumers, kBlockN, kStages, kQStages, kPingPong, kSoftmaxUnderPV, kOptimisticExp and the other switches). Each variant
-is a copy of this checkout under --scratch with those constants replaced, built for that head dim only, then timed with
-bench_sdpa.py in its own process. Builds run in parallel; --repeats times every variant again in later rounds. A variant
-without replacements is the checkout as it is (the baseline of the same run). A kBlockN replacement applies to every
-key-block variant of that head dim (at D256 both the 64- and the 80-key kernel that run_fwd_sm90 chooses between by
-L_k), and a kConsumers one to every kernel of that head dim (at D64 causal both the two- and the three-consumer kernel;
-a height that disagrees with launch.h's sm90_causal_block_m fails at launch). Used for the figures in
-benchmarks/NOTES.md; one GPU call tunes several variants:
+kConsumers, kBlockN, kStages (with kBarrierBytes=512 where more stages need more mbarriers), kQStages, kPingPong,
+kSoftmaxUnderPV, kOptimisticExp and the other switches). Each variant is a copy of this checkout under --scratch with
+those constants replaced, built for that head dim only, then timed with bench_sdpa.py in its own process. Builds run in
+parallel; --repeats times every variant again in later rounds. A variant without replacements is the checkout as it is
+(the baseline of the same run). A kBlockN replacement applies to every key-block variant of that head dim (at D256 both
+the 64- and the 80-key kernel that run_fwd_sm90 chooses between by L_k), and a kConsumers one to every kernel of that
+head dim (at D64 causal both the two- and the three-consumer kernel; a height that disagrees with launch.h's
+sm90_causal_block_m fails at launch). Used for the figures in benchmarks/NOTES.md; one GPU call tunes several variants:
 
     python benchmarks/tune_fwd.py "sm90 128" "sm90 128 kBlockN=176" "sm80 128 kMTiles=2 kNWarps=4 kBlockN=64"
 """

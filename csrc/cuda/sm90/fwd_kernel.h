@@ -140,8 +140,11 @@ struct FwdTraits {
   // below). Measured against direct 4-byte stores (NOTES.md, v10, v11 and v23): +5-11% at D128 L1k, +0-6% at 2k-4k;
   // at D64 without a mask +3% / +2% at L 1k / 2k and neutral above since kOptimisticExp (before it 0-6% slower there).
   static constexpr int kMaxSmemBytes = 227 * 1024;
+  // Room for the mbarriers, the tile mailbox and the scratch word (SharedStorage; checked below). A variant with more
+  // stages may need 512 (benchmarks/tune_fwd.py replaces it like the other constants).
+  static constexpr int kBarrierBytes = 256;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
-                                        256 /* barriers */;
+                                        kBarrierBytes;
   static constexpr int kOBuffers = kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
                                                                                                : 0;
@@ -187,8 +190,8 @@ struct FwdTraits {
   static_assert(!kSkipUnseenBlocks || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
                 "a consumer would skip as many key blocks as there are stages");
   static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) +
-                 (kFirstOInK ? kStages : 0) + 4) * 8 + 3 * 4 <= 256,
-                "the mbarriers, the tile mailbox and the scratch word exceed the 256 bytes kPipelineBytes reserves");
+                 (kFirstOInK ? kStages : 0) + 4) * 8 + 3 * 4 <= kBarrierBytes,
+                "the mbarriers, the tile mailbox and the scratch word exceed kBarrierBytes");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
