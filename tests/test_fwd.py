@@ -406,9 +406,8 @@ def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causa
     # overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with 128-key blocks (at every
     # length without a mask, up to 4096 keys with one) and 176-key blocks (causal, 5000 keys) and the stream-K tail (12
     # key blocks or more; at 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a
-    # mask) and 80-key
-    # blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A
-    # negative scale takes the negated scores through the same path.
+    # mask) and 80-key blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads
+    # interleave. A negative scale takes the negated scores through the same path.
     heads = 24
     q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = sign / math.sqrt(head_dim)
@@ -465,9 +464,9 @@ def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, d
     # tile has at least 12 key blocks of 128. The heads make about 2.5 rounds of 128-row tiles on this GPU, so the last
     # 1.5 rounds split. Keys: a partial last block of 102 (2150), 6 (2438), 24 (2200), 124 (2300) and 32 keys (4000, 32
     # blocks); D96 and D120 in the D128 kernel; two batches with a negative scale; 1037 keys (9 blocks) take whole
-    # tiles; 2000 keys split (16 blocks, the last of 80). GQA: two query heads per kv head. Checked against the reference, with and without the split
-    # (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and its merge adds the two parts in key
-    # order whichever CTA finishes second, so two runs agree bit for bit.
+    # tiles; 2000 keys split (16 blocks, the last of 80). GQA: two query heads per kv head. Checked against the
+    # reference, with and without the split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and
+    # its merge adds the two parts in key order whichever CTA finishes second, so two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
     n_blocks = -(-len_k // 128)  # launch.h sm90_fwd_block_n(128, false, len_k)

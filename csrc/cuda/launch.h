@@ -106,10 +106,10 @@ static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile
 
 // Keys per block of the Hopper forward, by head dim, mask and L_k (measured with benchmarks/tune_fwd.py; NOTES.md,
 // v1-v3 unless named). D64: 128. D128: 128 keys (Q from registers: fwd_kernel.h, kQInRegisters) without a mask at
-// every L_k (v24 against 176-key blocks: +7.5% at L 1k, +1.2 / +0.7 / +3.2 / +0.4% at 3k / 4k / 8k / 16k) and under a causal mask up to
-// sm90_d128_causal_short_max_keys, where the diagonal's masked work weighs more than longer blocks save; 176 keys
-// above it (v20, at locked clocks, 176 against 128 keys: -12.8% / -3.8% at L 1k / 2k, -0.4% at 4k, +1.2% / +3.2% /
-// +3.2% / +4.0% at 6k / 8k / 12k / 16k, before Q came from registers).
+// every L_k (v24 against 176-key blocks: +7.5% at L 1k, +1.2 / +0.8 / +3.1 / +0.5% at 3k / 4k / 8k / 16k) and under a
+// causal mask up to sm90_d128_causal_short_max_keys, where the diagonal's masked work weighs more than longer blocks
+// save; 176 keys above it (v20, at locked clocks, 176 against 128 keys: -12.8% / -3.8% at L 1k / 2k, -0.4% at 4k,
+// +1.2% / +3.2% / +3.2% / +4.0% at 6k / 8k / 12k / 16k, before Q came from registers).
 // D256: two K/V stages must still fit next to Q: 80 keys (225 KB in all, no O staging buffer: kFirstOInK or kOInQ,
 // and kLastOInV), or 64 keys with an O buffer up to sm90_d256_short_max_keys. The 80-key kernel against the 64-key
 // one: under a causal mask 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k (v13); without a mask 9% slower at
@@ -122,14 +122,14 @@ constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) 
   return len_k <= sm90_d256_short_max_keys(causal) ? 64 : 80;
 }
 
-// The Hopper forward without a mask gives each CTA whole tiles at a fixed stride, so where the tiles are not a
-// multiple of the grid the last round runs on part of it (2048 tiles on 132 SMs at D128: 15.5 rounds take 16; at
-// D256 1024 tiles, 7.8 rounds take 8). Stream-K over the last tiles: the tiles past all but the last full round,
-// between one and two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one
-// tile long, so a tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule).
-// Returns how many tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or
-// a tile has fewer than 12 key blocks. Measured against whole tiles (NOTES.md, v17, five rounds over two calls), D128
-// L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). Only in the kernels
+// The Hopper forward without a mask gives each CTA whole tiles at a fixed stride, so where the tiles are not a multiple
+// of the grid the last round runs on part of it (2048 tiles on 132 SMs at D128: 15.5 rounds take 16; at D256 1024
+// tiles, 7.8 rounds take 8). Stream-K over the last tiles: the tiles past all but the last full round, between one and
+// two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one tile long, so a
+// tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule). Returns how many
+// tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or a tile has fewer
+// than 12 key blocks. Measured against whole tiles (NOTES.md, v17, five rounds over two calls), D128 L 1k / 2k / 4k /
+// 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). Only in the kernels
 // sm90_fwd_stream_k names (fwd_kernel.h, kStreamKTail, says why), whose grid is the SM count (sm90_static_grid).
 constexpr bool sm90_fwd_stream_k(int head_dim, bool causal) { return head_dim == 128 && !causal; }
 constexpr int kSm90StreamKBlockM = 128;  // that kernel's tile height (two consumers of 64 rows)
