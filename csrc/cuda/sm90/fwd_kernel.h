@@ -288,7 +288,7 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[Traits::kHeadDim 
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int chunk = (kk % 4) * 2 + matrix / 2;  // 8-column chunk in the sub-tile
-    sm80::ldmatrix_x4(q[kk], q_rows + (kk / 4) * Traits::kSubTileQ + row * 64 + (chunk ^ (row % 8)) * 8);
+    sm80::ldmatrix_x4(q[kk], q_rows + (kk / 4) * Traits::kSubTileQ + sw128_offset(row, chunk));
   }
 }
 
@@ -1047,7 +1047,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
         const int chunk = j + matrix / 2;
-        T* const dst = warp_rows + (chunk / 8) * sub_tile + row * 64 + ((chunk % 8) ^ (row % 8)) * 8;
+        T* const dst = warp_rows + (chunk / 8) * sub_tile + sw128_offset(row, chunk % 8);
         stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
                     sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
                     sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),

@@ -75,6 +75,9 @@ __device__ __forceinline__ uint64_t smem_desc_sw128(const void* tile, uint32_t l
   return desc;
 }
 
+// Where that swizzle puts 16-byte chunk `chunk` (0-7) of row `row` of such a tile, in 16-bit elements from its start.
+__device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 64 + (chunk ^ (row % 8)) * 8; }
+
 // The descriptor of the tile `byte_offset` bytes (a multiple of 16) past `desc`'s: the start address is the lowest
 // field, and shared-memory addresses stay below 2^18, so the offset adds to it without carrying into the next field.
 // Built once per tile and advanced by constants, the descriptors of a GEMM's k16 steps cost one add each instead of
