@@ -74,12 +74,12 @@ struct FwdTraits {
   // three-consumer D64 kernel's grid spreads its short tiles instead.
   static constexpr bool kStreamKTail = sm90_fwd_stream_k(HeadDim, Causal);
   static_assert(!kStreamKTail || kBlockM == kSm90StreamKBlockM, "flash_api sizes the split with kSm90StreamKBlockM");
-  // K/V stages: two, where they fill shared memory or a third measured no better; three at D64 under a causal mask
-  // with two consumers (L_q or L_k below 1024): +2-4% at L 512-1k (NOTES.md, v13, when L1k still took two
-  // consumers). A third stage measured neutral in the three-consumer causal D64 kernel (v13 and v14, L 1k-4k), 1-2%
-  // slower at D64 without a mask (L 2k-4k), and 6-13% slower at D128 causal up to L1k (there with O staged in the Q
-  // rows to make room).
-  static constexpr int kStages = HeadDim == 64 && Causal && Consumers == 2 ? 3 : 2;
+  // K/V stages: three at D64, where a tile's key blocks are shortest; two at D128 and D256, where they fill shared
+  // memory or a third measured no better (6-13% slower at D128 causal up to L1k, there with O staged in the Q rows to
+  // make room). Measured at D64 (NOTES.md, v25, against two stages): three consumers under a causal mask +2.8% / +2.0%
+  // / +0.7% at L 1k / 1.5k / 2k and -0.2-0.3% at 4k-16k; without a mask +1.5% / +1.7% at 1k / 2k and -0.6% to +0.6% at
+  // 4k-16k. The two-consumer causal kernel (L_q or L_k below 1024) had it since v13: +2-4% at L 512-1k.
+  static constexpr int kStages = HeadDim == 64 ? 3 : 2;
   // Under a causal mask a consumer stops after the last key block its 64 rows see; for the tile's later blocks it
   // only takes its turns and releases their stages. Where the blocks are as tall as the tile (128 keys, 128 rows)
   // every consumer sees part of every block when L_q = L_k, so they do without it (the code alone cost the
@@ -140,9 +140,9 @@ struct FwdTraits {
   // below). Measured against direct 4-byte stores (NOTES.md, v10, v11 and v23): +5-11% at D128 L1k, +0-6% at 2k-4k;
   // at D64 without a mask +3% / +2% at L 1k / 2k and neutral above since kOptimisticExp (before it 0-6% slower there).
   static constexpr int kMaxSmemBytes = 227 * 1024;
-  // Room for the mbarriers, the tile mailbox and the scratch word (SharedStorage; checked below). A variant with more
-  // stages may need 512 (benchmarks/tune_fwd.py replaces it like the other constants).
-  static constexpr int kBarrierBytes = 256;
+  // Room for the mbarriers, the tile mailbox and the scratch word (SharedStorage; checked below): three consumers with
+  // three K/V stages need 268 bytes.
+  static constexpr int kBarrierBytes = kConsumers == 3 && kStages == 3 ? 512 : 256;
   static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
                                         kBarrierBytes;
   static constexpr int kOBuffers = kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
