@@ -35,7 +35,7 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
     (1, 4, 2, 1000, 1300, 64, True),  # keys offset by 300, below 1024 queries: the two-consumer causal D64 kernel
     (2, 4, 2, 1153, 1153, 64, True),  # a head's first tile starts at row -176: only consumer 2's last O box stored
     (1, 2, 2, 2900, 3000, 64, True),  # keys offset by 100: consumer 2's rows cross row 0 and see keys
-    (1, 2, 1, 700, 8300, 128, True),  # causal D128 over 4096 keys: 176-key blocks, O in one buffer and the V stages
+    (1, 2, 1, 700, 8300, 128, True),  # causal D128, keys offset by 7600 (176-key blocks here until v25)
     (1, 40, 20, 1000, 2150, 128, False),  # 320 tiles of 13 key blocks on 132 SMs: the last 188 split (stream-K)
     (1, 40, 20, 1000, 2000, 128, False),  # the same in the 128-key kernel (16 key blocks)
     (8, 64, 8, 40, 600, 64, False),  # 512 tiles with rows for consumer 0 only, about four per CTA

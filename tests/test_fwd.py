@@ -305,11 +305,10 @@ def test_cuda_d256_key_block_switch(head_dim, causal, batch, heads, len_q, len_k
     ],
     ids=lambda value: str(value),
 )
-def test_cuda_d128_key_block_switch(head_dim, causal, batch, heads, len_q, len_k):
-    # Under a causal mask D128 takes 128-key blocks up to 4096 keys and 176-key blocks above (launch.h,
-    # sm90_d128_causal_short_max_keys), with one O buffer and the second consumer's O in a V stage (kLastOInV), where
-    # consumers skip the blocks their rows do not see: both sides of the switch, several tiles per CTA, and rows that
-    # see no key. Without a mask the 128-key kernel at every length, here around 2048 keys, its switch before v24.
+def test_cuda_d128_key_blocks(head_dim, causal, batch, heads, len_q, len_k):
+    # D128 takes 128-key blocks at every length (launch.h, sm90_fwd_block_n). Until v25 it switched to 176-key blocks
+    # above 4096 keys under a causal mask (above 2048 without one before v24): both sides of those lengths, several
+    # tiles per CTA, and rows that see no key.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, torch.bfloat16, "cuda")
     run_and_check(q, k, v, causal=causal)
 
@@ -380,11 +379,11 @@ def test_cuda_growing_row_max(head_dim, growth, causal, len_q, len_k, dtype):
     # row max rises on every key block, or never (growth < 0), and the rows of one warp move on different blocks. The
     # Hopper forward takes a key block's exponentials against the row's unmoved reference while each row's sum over a
     # thread's columns stays below 2^14 (fwd_kernel.h, kOptimisticExp): with growth 0.01 the blocks stand until the
-    # scores have risen about 8.5 log2 units past the reference, at 0.05 (8.8 per 176-key block) about every other
-    # block is turned back, at 0.3 and 1.0 every one; at 1.0 the exponentials of the 128- and 176-key blocks overflow
-    # to inf. fp16's P holds at most 65504. Here the last key block dominates the rows without a mask:
-    # test_cuda_turned_back_key_blocks puts the peak in an earlier one. "long" reaches the
-    # three-consumer causal D64 kernel, whose first tile of a head starts at row -112 there (kTilesEndAtLq).
+    # scores have risen about 8.5 log2 units past the reference, at 0.05 (6.4 per 128-key block) about every other block
+    # is turned back, at 0.3 and 1.0 every one; at 1.0 the exponentials of the 128-key blocks overflow to inf. fp16's P
+    # holds at most 65504. Here the last key block dominates the rows without a mask: test_cuda_turned_back_key_blocks
+    # puts the peak in an earlier one. "long" reaches the three-consumer causal D64 kernel, whose first tile of a head
+    # starts at row -112 there (kTilesEndAtLq).
     q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     q, k = steer_scores(q, k, growth * torch.arange(len_k, device="cuda"), 1.0 / math.sqrt(head_dim))
     run_and_check(*(t.to(dtype) for t in (q, k, v)), causal)
@@ -403,11 +402,11 @@ def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causa
     # Scores that rise by `growth` log2 units per key up to 60% of the keys and fall after it, so a middle key block
     # dominates each row that sees it, and the blocks before it are turned back by the Hopper forward's optimistic
     # exponentials (fwd_kernel.h, kOptimisticExp: S computed again, then the max-based update; at growth 1.0 after
-    # overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 with 128-key blocks (at every
-    # length without a mask, up to 4096 keys with one) and 176-key blocks (causal, 5000 keys) and the stream-K tail (12
-    # key blocks or more; at 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a
-    # mask) and 80-key blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads
-    # interleave. A negative scale takes the negated scores through the same path.
+    # overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 (128-key blocks at every
+    # length; causal at 5000 keys, where 176-key blocks ran until v25) and the stream-K tail (12 key blocks or more; at
+    # 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a mask) and 80-key blocks;
+    # 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A negative scale
+    # takes the negated scores through the same path.
     heads = 24
     q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = sign / math.sqrt(head_dim)

@@ -105,20 +105,18 @@ static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would
 static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
 
 // Keys per block of the Hopper forward, by head dim, mask and L_k (measured with benchmarks/tune_fwd.py; NOTES.md,
-// v1-v3 unless named). D64: 128. D128: 128 keys (Q from registers: fwd_kernel.h, kQInRegisters) without a mask at
-// every L_k (v24 against 176-key blocks: +7.5% at L 1k, +1.2 / +0.8 / +3.1 / +0.5% at 3k / 4k / 8k / 16k) and under a
-// causal mask up to sm90_d128_causal_short_max_keys, where the diagonal's masked work weighs more than longer blocks
-// save; 176 keys above it (v20, at locked clocks, 176 against 128 keys: -12.8% / -3.8% at L 1k / 2k, -0.4% at 4k,
-// +1.2% / +3.2% / +3.2% / +4.0% at 6k / 8k / 12k / 16k, before Q came from registers).
+// v1-v3 unless named). D64: 128. D128: 128 keys, with Q from registers (fwd_kernel.h, kQInRegisters), at every L_k.
+// Against 176-key blocks without Q in registers: without a mask +7.5% at L 1k, +1.2 / +0.8 / +3.1 / +0.5% at 3k / 4k /
+// 8k / 16k (v24); under a causal mask +0.2 / -0.3 / -0.1% at 6k / 8k / 16k (v25), and at short L_k, where the
+// diagonal's masked work weighs more in longer blocks, 176 keys were 12.8% / 3.8% slower at 1k / 2k (v20).
 // D256: two K/V stages must still fit next to Q: 80 keys (225 KB in all, no O staging buffer: kFirstOInK or kOInQ,
 // and kLastOInV), or 64 keys with an O buffer up to sm90_d256_short_max_keys. The 80-key kernel against the 64-key
 // one: under a causal mask 1-2% slower at 1k keys, equal at 2k, 4-5% faster from 4k (v13); without a mask 9% slower at
 // 512 keys (v13), and with kFirstOInK at locked clocks +3.3% / +4.9% at 768 / 1k keys (v20).
-constexpr int64_t sm90_d128_causal_short_max_keys = 4096;
 constexpr int64_t sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
 constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) {
   if (kernel_head_dim == 64) return 128;
-  if (kernel_head_dim == 128) return causal && len_k > sm90_d128_causal_short_max_keys ? 176 : 128;
+  if (kernel_head_dim == 128) return 128;
   return len_k <= sm90_d256_short_max_keys(causal) ? 64 : 80;
 }
 

@@ -108,14 +108,14 @@ struct FwdTraits {
   // mask (most at D256 and long L) and +2-5% at D64 causal; under a causal mask at D128 and D256 up to 2-4% slower.
   static constexpr bool kSoftmaxUnderPV = !Causal || HeadDim == 64;
   // Q buffers: with two the producer loads the next tile's Q while this tile runs. Pays only at D64 (+1-5% with the
-  // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral
-  // at D128, where 176-key blocks need the room; no room at D256 (NOTES.md, v7).
+  // turns running across tiles: a consumer that starts the next tile early would otherwise wait for its Q); neutral at
+  // D128 (where Q now comes from registers, its buffer free at once); no room at D256 (NOTES.md, v7).
   static constexpr int kQStages = HeadDim == 64 ? 2 : 1;
   // Q as the A operand of S = Q K^T from registers (RS wgmma), loaded once per tile with ldmatrix and its shared
   // memory released at once: a fifth less shared memory read per 128-key block (Q 16 KB beside K and V, 32 KB each),
   // and the producer loads the next tile's Q early. 32 registers a thread at D128: room only beside 128-key blocks
   // (S 64, P 32, O 64).
-  static constexpr bool kQInRegisters = HeadDim == 128 && BlockN == 128;
+  static constexpr bool kQInRegisters = HeadDim == 128 && kBlockN == 128;
   // After a tile's first key block, take each block's exponentials against the row's reference without the block's
   // max (RowSoftmax::exp_against_reference): no max chain and no shuffles before the exp2s, no O rescale. A block
   // whose exponentials grow too large for that (rare: a row's scores rising far above every earlier block's) has its
@@ -162,14 +162,14 @@ struct FwdTraits {
   static constexpr bool kOInQ = kOBuffers == 0 && kQStages == 1 && Causal;
   static_assert(!kQInRegisters || !kOInQ, "with Q in registers its shared memory is released before the epilogue");
   static_assert(kOBuffers > 0 || kFirstOInK || kOInQ, "every consumer needs somewhere to stage its O");
-  // Where shared memory has no buffer per consumer (D128 with 176-key blocks and D256 with 64-key blocks: one buffer,
-  // for the first consumer; D256 with 80-key blocks: kFirstOInK or kOInQ), the last consumer stages its O in the V
-  // stage of its tile's last key block, once every consumer's last P V has read it; the producer loads that stage's
-  // next V (a later tile's, the next one's second block where it has two) once the O has left. The first consumer
-  // finishes first, so it is the one that does not wait for the other. Before, the two took turns on the one buffer, or
-  // both staged in their Q rows and waited for their reload. Measured at locked clocks (NOTES.md, v19): D256 causal
-  // 80-key blocks +7.3% / +7.7% at L 4k / 8k, 64-key +3.0-3.4% at 512; D128 without a mask +1.3-1.5% at 1k; the others
-  // within -0.9% to +0.6%.
+  // Where shared memory has no buffer per consumer (D256 with 64-key blocks: one buffer, for the first consumer; with
+  // 80-key blocks: kFirstOInK or kOInQ), the last consumer stages its O in the V stage of its tile's last key block,
+  // once every consumer's last P V has read it; the producer loads that stage's next V (a later tile's, the next one's
+  // second block where it has two) once the O has left. The first consumer finishes first, so it is the one that does
+  // not wait for the other. Before, the two took turns on the one buffer, or both staged in their Q rows and waited for
+  // their reload. Measured at locked clocks (NOTES.md, v19): D256 causal 80-key blocks +7.3% / +7.7% at L 4k / 8k,
+  // 64-key +3.0-3.4% at 512; D128 without a mask (then 176-key blocks) +1.3-1.5% at 1k; the others within -0.9% to
+  // +0.6%.
   static constexpr bool kLastOInV = kOBuffers == 1 || kOInQ || kFirstOInK;
   static constexpr int kQParts = kOInQ ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
@@ -1141,11 +1141,6 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
     }
     return launch_fwd_sm90<T, FwdTraits<64, kCausal, 128>, kCausal>(params, stream);
   } else if constexpr (HeadDim == 128) {
-    if constexpr (kCausal) {  // 176-key blocks only under a causal mask
-      if (sm90_fwd_block_n(128, kCausal, params.len_k) == 176) {
-        return launch_fwd_sm90<T, FwdTraits<128, kCausal, 176>, kCausal>(params, stream);
-      }
-    }
     return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128>, kCausal>(params, stream);
   } else {
     if (sm90_fwd_block_n(256, kCausal, params.len_k) == 64) {
