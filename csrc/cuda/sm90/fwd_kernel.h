@@ -31,8 +31,8 @@
 // from registers. The staging buffer: a buffer per consumer where shared memory has room (kOBuffers); else the last
 // consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, else the
 // K stage of that block (kFirstOInK) or its own rows of Q (kOInQ). A warp's staged rows are released (o_free,
-// o_in_v_free, o_in_k_free) once the store has read them, which it waits for after issuing the next tile's first S
-// GEMM (the first consumer's Q rows with kOInQ at once).
+// o_in_v_free, o_in_k_free) once the store has read them, which it waits for after issuing the next tile's first S GEMM
+// (the first consumer's Q rows with kOInQ, and its K stage with kOInKLeavesAtStore, at once).
 #pragma once
 
 #include <cuda.h>
@@ -768,9 +768,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // A warp's staged O rows are released (o_free, o_in_v_free or o_in_k_free) once the TMA stores have read them. That
   // read is waited for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile
-  // starts (the first consumer's Q rows with kOInQ: at once, since the next Q loads into them). Measured at locked
-  // clocks (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where
-  // the two consumers then shared one buffer (the other consumer waited longer for it).
+  // starts (the first consumer's Q rows with kOInQ and its K stage with kOInKLeavesAtStore: at once, since the next Q
+  // or the next tile's second K loads into them). Measured at locked clocks (NOTES.md, v18): +3.1% / +1.3% at D128
+  // causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where the two consumers then shared one buffer (the
+  // other consumer waited longer for it).
   bool o_staged = false;
   const auto release_staged_o = [&] {
     if constexpr (Traits::kOBuffers > 0 || Traits::kLastOInV) {
