@@ -6,7 +6,7 @@
 // the output tiles (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the
 // producer: one thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle;
 // rows outside 0 .. L - 1 and columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q
-// buffer where kQStages = 2). Each Q buffer (each consumer's part of it with kOInQ) and each K and V stage have a
+// buffer where kQStages = 2). Each Q buffer (each consumer's part of it with kQParts) and each K and V stage have a
 // "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the first consumer's
 // part once it has stored its O from it). The consumer warpgroups (2, or 3 at D64: sm90_fwd_consumers, and under a
 // causal mask launch.h's sm90_causal_block_m) each own 64 query rows and run, per key block n (FlashAttention-3's
@@ -31,8 +31,8 @@
 // from registers. The staging buffer: a buffer per consumer where shared memory has room (kOBuffers); else the last
 // consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, else the
 // K stage of that block (kFirstOInK) or its own rows of Q (kOInQ). A warp's staged rows are released (o_free,
-// o_in_v_free, o_in_k_free) once the store has read them, which it waits for after issuing the next tile's first S
-// GEMM (the first consumer's Q rows with kOInQ at once).
+// o_in_v_free, o_in_k_free) once the store has read them, which it waits for after issuing the next tile's first S GEMM
+// (the first consumer's Q rows with kOInQ, and its K stage with kOInKLeavesAtStore, at once).
 #pragma once
 
 #include <cuda.h>
@@ -151,9 +151,10 @@ struct FwdTraits {
   static constexpr int kSmemBytes = kPipelineBytes + kOBuffers * kTileO * 2;  // 16-bit elements
   // Where no staging buffer fits (D256 with 80-key blocks), the first consumer stages its O
   // - without a mask, in the K stage of its tile's last key block, which every consumer's last S GEMM has read
-  //   (kFirstOInK); the producer loads that stage's next K (the next tile's second block) once the O has left. Q then
-  //   loads whole and is free after the tile's last S GEMMs. Measured at locked clocks against kOInQ (NOTES.md, v20):
-  //   +4.1% / +1.9% / +2.0% at L 2k / 4k / 8k;
+  //   (kFirstOInK); the producer loads that stage's next K (the next tile's second block) once the O has left
+  //   (kOInKLeavesAtStore). Q then loads in one part per consumer, each free after its consumer's last S GEMM
+  //   (kQPerConsumer). Measured at locked clocks against kOInQ (NOTES.md, v20): +4.1% / +1.9% / +2.0% at L 2k / 4k /
+  //   8k;
   // - under a causal mask, in its own rows of the Q buffer (kOInQ), which its last S GEMM has read. Q then loads in one
   //   part per consumer (64-row boxes), the first consumer's once its O has left. Measured against direct stores
   //   (v13): +2-7% at L 2k-16k. There kFirstOInK measured -2.2% at 4k, +1.1% at 8k (v20): causal tiles are shorter,
@@ -171,7 +172,13 @@ struct FwdTraits {
   // 64-key +3.0-3.4% at 512; D128 without a mask (then 176-key blocks) +1.3-1.5% at 1k; the others within -0.9% to
   // +0.6%.
   static constexpr bool kLastOInV = kOBuffers == 1 || kOInQ || kFirstOInK;
-  static constexpr int kQParts = kOInQ ? kConsumers : 1;
+  // With kFirstOInK the next tile's second K block loads into the K stage that holds the first consumer's O, so that O
+  // is released as soon as its TMA store has read it, not after the next tile's first S GEMM is issued.
+  static constexpr bool kOInKLeavesAtStore = kFirstOInK;
+  // Q in one part per consumer, each reloaded once its consumer's last S GEMM has read it (the first consumer's
+  // before the last's): with kOInQ, and with kFirstOInK, where Q loads whole otherwise.
+  static constexpr bool kQPerConsumer = kFirstOInK;
+  static constexpr int kQParts = kOInQ || kQPerConsumer ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
@@ -595,10 +602,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     constexpr int kConsumerThreads = Traits::kConsumers * 128;
     for (int s = 0; s < Traits::kQStages * Traits::kQParts; ++s) {
       mbarrier_init(&smem.q_full[s], 1);
-      // Every consumer thread arrives after its last S GEMM (one without rows, once Q has landed); with kOInQ lane 0 of
-      // each warp of the part's consumer: the first consumer's once its staged O has been stored, the last's after its
-      // last S GEMM (its O goes to a V stage, kLastOInV).
-      mbarrier_init(&smem.q_empty[s], Traits::kOInQ ? 4 : kConsumerThreads);
+      // Every thread of the part's consumers arrives after its last S GEMM (one without rows, once Q has landed); with
+      // kOInQ lane 0 of each warp of the part's consumer: the first consumer's once its staged O has been stored, the
+      // last's after its last S GEMM (its O goes to a V stage, kLastOInV).
+      mbarrier_init(&smem.q_empty[s], Traits::kOInQ ? 4 : kConsumerThreads / Traits::kQParts);
     }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&smem.k_full[s], 1);
@@ -761,9 +768,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // A warp's staged O rows are released (o_free, o_in_v_free or o_in_k_free) once the TMA stores have read them. That
   // read is waited for after the next tile's first S GEMM is issued (or after the last tile), not before the next tile
-  // starts (the first consumer's Q rows with kOInQ: at once, since the next Q loads into them). Measured at locked
-  // clocks (NOTES.md, v18): +3.1% / +1.3% at D128 causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where
-  // the two consumers then shared one buffer (the other consumer waited longer for it).
+  // starts (the first consumer's Q rows with kOInQ and its K stage with kOInKLeavesAtStore: at once, since the next Q
+  // or the next tile's second K loads into them). Measured at locked clocks (NOTES.md, v18): +3.1% / +1.3% at D128
+  // causal L 1k / 2k, +1.3% / +0.5% at D64 causal; within +-0.6% where the two consumers then shared one buffer (the
+  // other consumer waited longer for it).
   bool o_staged = false;
   const auto release_staged_o = [&] {
     if constexpr (Traits::kOBuffers > 0 || Traits::kLastOInV) {
@@ -837,7 +845,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // No rows: Q released once loaded, no O.
       if (first_row >= p.len_q || (Traits::kTilesEndAtLq && first_row + 64 <= 0)) {
         const int q_stage = q_loads % Traits::kQStages;
-        const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
+        const int q_barrier = q_stage * Traits::kQParts + (Traits::kQParts > 1 ? consumer : 0);
         mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
         ++q_loads;
         if (!Traits::kOInQ || lane == 0) mbarrier_arrive(&smem.q_empty[q_barrier]);
@@ -877,7 +885,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // The first block: S only (there is no P yet).
     const int q_stage = q_loads % Traits::kQStages;
-    const int q_barrier = q_stage * Traits::kQParts + (Traits::kOInQ ? consumer : 0);
+    const int q_barrier = q_stage * Traits::kQParts + (Traits::kQParts > 1 ? consumer : 0);
     mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
     ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
@@ -1072,8 +1080,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         bulk_wait_group_read<0>();  // Q's rows may be loaded again
         mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
+      if (Traits::kOInKLeavesAtStore && my_o_in_k) {
+        bulk_wait_group_read<0>();  // the K stage may be loaded again
+        mbarrier_arrive(&smem.o_free[o_release]);
+      }
     }
-    o_staged = !Traits::kOInQ || my_o_in_v;  // released by release_staged_o
+    // Released by release_staged_o.
+    o_staged = (!Traits::kOInQ || my_o_in_v) && !(Traits::kOInKLeavesAtStore && my_o_in_k);
   }
   release_staged_o();
   if constexpr (Traits::kPingPong) {
