@@ -176,7 +176,9 @@ struct FwdTraits {
   // is released as soon as its TMA store has read it, not after the next tile's first S GEMM is issued.
   static constexpr bool kOInKLeavesAtStore = kFirstOInK;
   // Q in one part per consumer, each reloaded once its consumer's last S GEMM has read it (the first consumer's
-  // before the last's): with kOInQ, and with kFirstOInK, where Q loads whole otherwise.
+  // before the last's): with kOInQ, and with kFirstOInK, where Q loads whole otherwise. Measured with
+  // kOInKLeavesAtStore against neither (NOTES.md, v27; D256 without a mask): +1.2% / +1.0% / +0.8% / +0.4% / +0.1% at
+  // L 1k / 2k / 4k / 8k / 16k; each alone -0.7% to +1.1%, no steady gain.
   static constexpr bool kQPerConsumer = kFirstOInK;
   static constexpr int kQParts = kOInQ || kQPerConsumer ? kConsumers : 1;
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
