@@ -181,6 +181,14 @@ struct FwdTraits {
   // L 1k / 2k / 4k / 8k / 16k; each alone -0.7% to +1.1%, no steady gain.
   static constexpr bool kQPerConsumer = kFirstOInK;
   static constexpr int kQParts = kOInQ || kQPerConsumer ? kConsumers : 1;
+  // Each warp's 16 rows of O leave in one TMA store where D is a multiple of 64 (a 5-D map with the 64-column blocks
+  // as a dimension; the warp stages its rows block after block), not in one store per 64-column block, whose issues
+  // stall the warp in turn (ncu, NOTES.md v27). Not with kOInQ: its staging is the Q rows, whose blocks lie a whole Q
+  // sub-tile apart.
+  static constexpr bool kOOneStorePerWarp = kColumnBlocks > 1 && !kOInQ;
+  __host__ __device__ static constexpr bool o_one_store(int head_dim) {
+    return kOOneStorePerWarp && head_dim % 64 == 0;
+  }
   // Producer keeps few registers, consumers get the rest: (24 + 2 * 240) * 128 or (24 + 3 * 160) * 128 <= 64K.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : 240;
@@ -1050,14 +1058,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       staging = smem.o_buffer(o_buffer);
       o_release = 4 * o_buffer + warp;
     }
-    T* const warp_rows = staging + warp * 16 * 64;  // in each 64-column sub-tile
+    // The warp's rows: in each 64-column sub-tile, or (one store) its own 16 rows of every 64-column block in turn.
+    const bool one_store = Traits::o_one_store(p.head_dim);
+    T* const warp_rows = staging + warp * 16 * (one_store ? kHeadDim : 64);
+    const int block_stride = one_store ? 16 * 64 : sub_tile;
     const int matrix = lane / 8;                                   // lanes 8m .. 8m + 7 address matrix m's rows
     const int row = lane % 8 + 8 * (matrix % 2);                   // matrices: rows 0-7, 8-15 of chunk j, then j + 1
     if (store_o) {  // else the rows are only released (the other CTA stores this stream-K tile)
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
         const int chunk = j + matrix / 2;
-        T* const dst = warp_rows + (chunk / 8) * sub_tile + sw128_offset(row, chunk % 8);
+        T* const dst = warp_rows + (chunk / 8) * block_stride + sw128_offset(row, chunk % 8);
         stmatrix_x4(dst, sm80::pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
                     sm80::pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
                     sm80::pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
@@ -1070,10 +1081,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int first_row = tile.m_start + 64 * consumer + 16 * warp;
       // No TMA store before row 0 (kTilesEndAtLq).
       if (store_o && first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {
+        if (one_store) {
+          tma_store_5d(&o_map, warp_rows, 0, first_row, 0, tile.head, tile.batch);
+        } else {
 #pragma unroll
-        for (int c = 0; c < kColumnBlocks; ++c) {
-          if (64 * c < p.head_dim) {
-            tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
+          for (int c = 0; c < kColumnBlocks; ++c) {
+            if (64 * c < p.head_dim) {
+              tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
+            }
           }
         }
       }
@@ -1104,11 +1119,17 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if (!make_qkv_maps(params, kBf16, Traits::kBlockM / Traits::kQParts, Traits::kBlockN, &q_map, &k_map, &v_map)) {
     return cudaErrorNotSupported;
   }
-  // O in boxes of one warp's 16 rows (the output is ours, contiguous: the driver takes it).
-  if (!make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
-                     params.o_batch_stride, params.o_head_stride, params.o_row_stride, 16)) {
-    return cudaErrorNotSupported;
-  }
+  // O in boxes of one warp's 16 rows, all its columns in one where the kernel stores them so (the output is ours,
+  // contiguous: the driver takes it).
+  const bool o_mapped = Traits::o_one_store(params.head_dim)
+                            ? make_bhld_column_block_map(&o_map, params.out, kBf16, params.batch, params.heads,
+                                                         params.len_q, params.head_dim, params.o_batch_stride,
+                                                         params.o_head_stride, params.o_row_stride, 16,
+                                                         Traits::kColumnBlocks)
+                            : make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q,
+                                            params.head_dim, params.o_batch_stride, params.o_head_stride,
+                                            params.o_row_stride, 16);
+  if (!o_mapped) return cudaErrorNotSupported;
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   constexpr int kSmemBytes = Traits::kSmemBytes;
   static_assert(sizeof(T) == 2, "16-bit elements");

@@ -55,6 +55,32 @@ inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int6
   return result == CUDA_SUCCESS;
 }
 
+// A 5-D map over a (B, H, L, D) tensor whose D is a multiple of 64, its columns split into blocks of 64: coordinates
+// (column in the block, row, column block, head, batch), boxes of `box_rows` rows x `box_blocks` blocks, which shared
+// memory holds block after block, each `box_rows` rows of 128 bytes in the 128-byte swizzle (one TMA store then
+// writes every column of those rows). Blocks past D / 64 are skipped. Returns false if the driver rejects it.
+inline bool make_bhld_column_block_map(CUtensorMap* map, const void* base, bool is_bf16, int64_t batch, int64_t heads,
+                                       int64_t len, int64_t head_dim, int64_t batch_stride, int64_t head_stride,
+                                       int64_t row_stride, uint32_t box_rows, uint32_t box_blocks) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr || head_dim % 64 != 0) return false;
+  const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(len), static_cast<cuuint64_t>(head_dim / 64),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const auto usable = [](int64_t extent, int64_t stride, int64_t fallback) { return extent <= 1 ? fallback : stride; };
+  row_stride = usable(len, row_stride, head_dim);
+  head_stride = usable(heads, head_stride, row_stride * len);
+  batch_stride = usable(batch, batch_stride, head_stride * heads);
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(row_stride * 2), 128,
+                                 static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(batch_stride * 2)};
+  const cuuint32_t box[5] = {64, box_rows, box_blocks, 1, 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult result = encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+                                 const_cast<void*>(base), dims, strides, box, element_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS;
+}
+
 // The maps over Q (boxes of q_box_rows rows) and K, V (kv_box_rows) that a FwdParams or BwdParams describes.
 template <typename Params>
 bool make_qkv_maps(const Params& p, bool is_bf16, uint32_t q_box_rows, uint32_t kv_box_rows, CUtensorMap* q_map,
