@@ -184,7 +184,8 @@ struct FwdTraits {
   // Each warp's 16 rows of O leave in one TMA store where D is a multiple of 64 (a 5-D map with the 64-column blocks
   // as a dimension; the warp stages its rows block after block), not in one store per 64-column block, whose issues
   // stall the warp in turn (ncu, NOTES.md v27). Not with kOInQ: its staging is the Q rows, whose blocks lie a whole Q
-  // sub-tile apart.
+  // sub-tile apart. Measured at locked clocks (NOTES.md, v28): +0.3% to +0.5% at D256 without a mask (L 1k-4k), +0.9%
+  // at D128 without a mask (1k), +1.2% / +1.0% causal at D256 L1k / D128 L2k.
   static constexpr bool kOOneStorePerWarp = kColumnBlocks > 1 && !kOInQ;
   __host__ __device__ static constexpr bool o_one_store(int head_dim) {
     return kOOneStorePerWarp && head_dim % 64 == 0;
