@@ -27,12 +27,13 @@
 // only the key blocks its own rows see (kSkipUnseenBlocks); with three consumers one without rows computes nothing
 // (kSkipRowlessConsumers); both take empty turns for the blocks they skip.
 //
-// Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA; lse
-// from registers. The staging buffer: a buffer per consumer where shared memory has room (kOBuffers); else the last
-// consumer's is the V stage of its tile's last key block (kLastOInV) and the first's a buffer where one fits, else the
-// K stage of that block (kFirstOInK) or its own rows of Q (kOInQ). A warp's staged rows are released (o_free,
-// o_in_v_free, o_in_k_free) once the store has read them, which it waits for after issuing the next tile's first S GEMM
-// (the first consumer's Q rows with kOInQ, and its K stage with kOInKLeavesAtStore, at once).
+// Epilogue: O normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA (one
+// store of the warp's 16 rows where D is a multiple of 64: kOOneStorePerWarp); lse from registers. The staging buffer:
+// a buffer per consumer where shared memory has room (kOBuffers); else the last consumer's is the V stage of its tile's
+// last key block (kLastOInV) and the first's a buffer where one fits, else the K stage of that block (kFirstOInK) or
+// its own rows of Q (kOInQ). A warp's staged rows are released (o_free, o_in_v_free, o_in_k_free) once the store has
+// read them, which it waits for after issuing the next tile's first S GEMM (the first consumer's Q rows with kOInQ, and
+// its K stage with kOInKLeavesAtStore, at once).
 #pragma once
 
 #include <cuda.h>
