@@ -6,7 +6,8 @@ B = tokens // L and H = hidden // D, as in bench_sdpa.py. The comparison in benc
         --section ComputeWorkloadAnalysis -k regex:"flash_fwd_sm90|sdpa" -c 8 \\
         python benchmarks/profile_fwd.py --head-dim 128 --lengths 1024,16384
 
-Add `--set full --import-source yes` (and build with -lineinfo, the default) for the stall reasons per source line.
+Add `--set full --import-source yes` (and build with -lineinfo, the default) for the stall reasons per source line;
+benchmarks/ncu_stalls.py sums them per SASS instruction and per stretch of code.
 """
 import argparse
 
