@@ -27,6 +27,35 @@ inline EncodeTiledFn encode_tiled_fn() {
   return fn;
 }
 
+// Encodes a tiled map of `rank` dimensions (innermost first; strides in bytes, one fewer) with the 128-byte swizzle,
+// every element stride 1 and no out-of-bounds fill value: every map of the Hopper kernels. False if the driver or
+// the entry point is missing, or the driver rejects the map.
+inline bool encode_map(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, const void* base,
+                       const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+  const EncodeTiledFn encode = encode_tiled_fn();
+  if (encode == nullptr) return false;
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  return encode(map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+inline CUtensorMapDataType half_type(bool is_bf16) {
+  return is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
+// A (B, H, L, D) tensor's element strides, where a dimension of extent 1 (whose stride is never used) gets one the
+// driver accepts (a multiple of 16 bytes).
+struct BhldStrides {
+  int64_t row, head, batch;
+  BhldStrides(int64_t batch_count, int64_t heads, int64_t len, int64_t head_dim, int64_t batch_stride,
+              int64_t head_stride, int64_t row_stride) {
+    row = len <= 1 ? head_dim : row_stride;
+    head = heads <= 1 ? row * len : head_stride;
+    batch = batch_count <= 1 ? head * heads : batch_stride;
+  }
+};
+
 // A 4-D map over a (B, H, L, D) tensor of 16-bit elements with element strides (batch, head, row) and a box of
 // `box_rows` rows x 64 columns (128 bytes: the widest inner box the 128-byte swizzle allows). Coordinates are
 // (column, row, head, batch); loads outside rows 0 .. L - 1 or past D are zero-filled, stores past L or D are
@@ -35,24 +64,13 @@ inline EncodeTiledFn encode_tiled_fn() {
 inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int64_t batch, int64_t heads,
                           int64_t len, int64_t head_dim, int64_t batch_stride, int64_t head_stride,
                           int64_t row_stride, uint32_t box_rows) {
-  const EncodeTiledFn encode = encode_tiled_fn();
-  if (encode == nullptr) return false;
+  const BhldStrides stride(batch, heads, len, head_dim, batch_stride, head_stride, row_stride);
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(len),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  // The stride of a dimension of extent 1 is never used; give it a value the driver accepts (a multiple of 16 B).
-  const auto usable = [](int64_t extent, int64_t stride, int64_t fallback) { return extent <= 1 ? fallback : stride; };
-  row_stride = usable(len, row_stride, head_dim);
-  head_stride = usable(heads, head_stride, row_stride * len);
-  batch_stride = usable(batch, batch_stride, head_stride * heads);
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row_stride * 2), static_cast<cuuint64_t>(head_stride * 2),
-                                 static_cast<cuuint64_t>(batch_stride * 2)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(stride.row * 2), static_cast<cuuint64_t>(stride.head * 2),
+                                 static_cast<cuuint64_t>(stride.batch * 2)};
   const cuuint32_t box[4] = {64, box_rows, 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult result = encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                                 const_cast<void*>(base), dims, strides, box, element_strides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return result == CUDA_SUCCESS;
+  return encode_map(map, half_type(is_bf16), 4, base, dims, strides, box);
 }
 
 // A 5-D map over a (B, H, L, D) tensor whose D is a multiple of 64, its columns split into blocks of 64: coordinates
@@ -62,23 +80,14 @@ inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int6
 inline bool make_bhld_column_block_map(CUtensorMap* map, const void* base, bool is_bf16, int64_t batch, int64_t heads,
                                        int64_t len, int64_t head_dim, int64_t batch_stride, int64_t head_stride,
                                        int64_t row_stride, uint32_t box_rows, uint32_t box_blocks) {
-  const EncodeTiledFn encode = encode_tiled_fn();
-  if (encode == nullptr || head_dim % 64 != 0) return false;
+  if (head_dim % 64 != 0) return false;
+  const BhldStrides stride(batch, heads, len, head_dim, batch_stride, head_stride, row_stride);
   const cuuint64_t dims[5] = {64, static_cast<cuuint64_t>(len), static_cast<cuuint64_t>(head_dim / 64),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const auto usable = [](int64_t extent, int64_t stride, int64_t fallback) { return extent <= 1 ? fallback : stride; };
-  row_stride = usable(len, row_stride, head_dim);
-  head_stride = usable(heads, head_stride, row_stride * len);
-  batch_stride = usable(batch, batch_stride, head_stride * heads);
-  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(row_stride * 2), 128,
-                                 static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(batch_stride * 2)};
+  const cuuint64_t strides[4] = {static_cast<cuuint64_t>(stride.row * 2), 128, static_cast<cuuint64_t>(stride.head * 2),
+                                 static_cast<cuuint64_t>(stride.batch * 2)};
   const cuuint32_t box[5] = {64, box_rows, box_blocks, 1, 1};
-  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
-  const CUresult result = encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
-                                 const_cast<void*>(base), dims, strides, box, element_strides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return result == CUDA_SUCCESS;
+  return encode_map(map, half_type(is_bf16), 5, base, dims, strides, box);
 }
 
 // The maps over Q (boxes of q_box_rows rows) and K, V (kv_box_rows) that a FwdParams or BwdParams describes.
@@ -98,18 +107,12 @@ bool make_qkv_maps(const Params& p, bool is_bf16, uint32_t q_box_rows, uint32_t 
 // or D are skipped. Returns false if the driver rejects it.
 inline bool make_dq_accum_map(CUtensorMap* map, float* base, int64_t batch, int64_t heads, int64_t len,
                               int64_t head_dim, uint32_t box_rows) {
-  const EncodeTiledFn encode = encode_tiled_fn();
-  if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(len),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t strides[3] = {static_cast<cuuint64_t>(head_dim * 4), static_cast<cuuint64_t>(len * head_dim * 4),
                                  static_cast<cuuint64_t>(heads * len * head_dim * 4)};
   const cuuint32_t box[4] = {32, box_rows, 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult result = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, element_strides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return result == CUDA_SUCCESS;
+  return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box);
 }
 
 // Lets `kernel` use `bytes` of dynamic shared memory. False, with no CUDA error left behind (the attribute error is
