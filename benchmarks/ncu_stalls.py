@@ -64,7 +64,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv", type=Path, help="the source page as CSV (.csv or .csv.gz)")
     parser.add_argument("--top", type=int, default=20, help="instructions listed")
-    parser.add_argument("--min-share", type=float, default=0.5, help="stretches listed: at least this % of samples")
+    parser.add_argument("--min-share", type=float, default=0.5, help="stretches listed: at least this %% of samples")
     args = parser.parse_args()
 
     raw = args.csv.read_bytes()
