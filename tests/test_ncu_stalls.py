@@ -47,3 +47,11 @@ def test_main_reports_passes_of_the_hot_loop(ncu_stalls, tmp_path, monkeypatch, 
     assert "hot loop: instructions run 80 times, 76.9% of the samples" in out
     # The first stretch: 6 samples over 8 executions, against the loop's 40 over 80: 1.5 passes per execution.
     assert "    0-1             8        6  11.5%        1.50  MOV R1, R2" in out
+
+
+def test_help_prints_every_option(ncu_stalls, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ncu_stalls.py", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        ncu_stalls.main()
+    assert exit_info.value.code == 0
+    assert "at least this % of samples" in capsys.readouterr().out
