@@ -115,8 +115,7 @@ static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile
 // 512 keys (v13), and with kFirstOInK at locked clocks +3.3% / +4.9% at 768 / 1k keys (v20).
 constexpr int64_t sm90_d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
 constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) {
-  if (kernel_head_dim == 64) return 128;
-  if (kernel_head_dim == 128) return 128;
+  if (kernel_head_dim <= 128) return 128;  // D64 and D128
   return len_k <= sm90_d256_short_max_keys(causal) ? 64 : 80;
 }
 

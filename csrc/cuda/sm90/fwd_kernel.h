@@ -852,12 +852,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_arrive(&smem.v_empty[stage]);
       }
     };
+    // This tile's Q buffer, and this consumer's barrier pair for it (its own part's with kQParts).
+    const int q_stage = q_loads % Traits::kQStages;
+    const int q_barrier = q_stage * Traits::kQParts + (Traits::kQParts > 1 ? consumer : 0);
     if constexpr (Traits::kSkipRowlessConsumers) {
       const int first_row = tile.m_start + 64 * consumer;
       // No rows: Q released once loaded, no O.
       if (first_row >= p.len_q || (Traits::kTilesEndAtLq && first_row + 64 <= 0)) {
-        const int q_stage = q_loads % Traits::kQStages;
-        const int q_barrier = q_stage * Traits::kQParts + (Traits::kQParts > 1 ? consumer : 0);
         mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
         ++q_loads;
         if (!Traits::kOInQ || lane == 0) mbarrier_arrive(&smem.q_empty[q_barrier]);
@@ -896,8 +897,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     int last_col[2];
 
     // The first block: S only (there is no P yet).
-    const int q_stage = q_loads % Traits::kQStages;
-    const int q_barrier = q_stage * Traits::kQParts + (Traits::kQParts > 1 ? consumer : 0);
     mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
     ++q_loads;
     const T* const q_rows = smem.q_stage(q_stage) + consumer * 64 * 64;  // this warpgroup's rows in each sub-tile
