@@ -9,8 +9,8 @@ drift of the card shows up as a spread between passes rather than as a differenc
 
     python benchmarks/ncu_ab.py --build main=/tmp/main --build new=. --shapes 128:nc:1024,128:nc:4096,256:c:8192
 
-prints, per shape, each build's median launch time (ns) per pass and the change of the second build against the first (+
-is faster). With --backward each call is a forward and a backward, and the Hopper backward kernel is timed. Shapes are
+prints, per shape, each build's median launch time (ns) per pass and the change of every later build against the first
+(+ is faster); more than two builds (--build given three times or more) are A/B'd against the first in one session. With --backward each call is a forward and a backward, and the Hopper backward kernel is timed. Shapes are
 D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then --launches timed ones. Needs
 ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
 """
@@ -93,7 +93,8 @@ def profile(args, build_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--build", action="append", default=[], metavar="NAME=DIR",
-                        help="a source tree with the extension built in place; give two (the first is the baseline)")
+                        help="a source tree with the extension built in place; give two or more (the first is the "
+                             "baseline)")
     parser.add_argument("--shapes", default="128:nc:1024,128:nc:4096", help="comma list of D:nc|c:L")
     parser.add_argument("--passes", type=int, default=2, help="turns of each build")
     parser.add_argument("--launches", type=int, default=5, help="timed launches per shape (after one warm-up)")
@@ -114,22 +115,33 @@ def main():
     if args.launch:
         launch(args, shapes)
         return
-    if len(args.build) != 2 or any("=" not in b for b in args.build):
-        raise SystemExit("give two --build NAME=DIR")
+    if len(args.build) < 2 or any("=" not in b for b in args.build):
+        raise SystemExit("give two or more --build NAME=DIR")
     builds = [tuple(b.split("=", 1)) for b in args.build]
+    if len({name for name, _ in builds}) != len(builds):
+        raise SystemExit("--build: the names must differ")
 
     medians = {name: [] for name, _ in builds}  # name -> [pass][shape]
     for _ in range(args.passes):
         for name, build_dir in builds:
             medians[name].append(shape_medians(profile(args, build_dir), len(shapes), args.launches))
-    (base, _), (new, _) = builds
+    for line in comparison_lines(shapes, [name for name, _ in builds], medians):
+        print(line)
+
+
+def comparison_lines(shapes, names, medians):
+    """Per shape and later build: the baseline's (names[0]) and the build's medians per pass, and the build's change
+    against the baseline (mean over passes; + is faster)."""
+    base = names[0]
+    lines = []
     for i, (d, causal, length) in enumerate(shapes):
         base_ns = statistics.mean(p[i] for p in medians[base])
-        new_ns = statistics.mean(p[i] for p in medians[new])
         passes = lambda name: " / ".join(f"{p[i]:.0f}" for p in medians[name])
-        print(f"D{d} {'causal' if causal else 'non-causal'} L{length}: {base} {passes(base)} ns, "
-              f"{new} {passes(new)} ns: {100 * (base_ns / new_ns - 1):+.2f}%")
-
+        for new in names[1:]:
+            new_ns = statistics.mean(p[i] for p in medians[new])
+            lines.append(f"D{d} {'causal' if causal else 'non-causal'} L{length}: {base} {passes(base)} ns, "
+                         f"{new} {passes(new)} ns: {100 * (base_ns / new_ns - 1):+.2f}%")
+    return lines
 
 if __name__ == "__main__":
     main()

@@ -66,3 +66,16 @@ def test_profile_times_the_kernels_of_the_mode(ncu_ab, monkeypatch, backward):
     assert cmd[cmd.index("--shapes") + 1] == "128:nc:1024,256:c:8192"
     assert seen["env"]["PYTHONPATH"] == str(Path("/tmp/build").resolve())
     assert seen["env"]["FLASHATTN_FWD_SM90"] == "strict" and seen["env"]["FLASHATTN_BWD_SM90"] == "strict"
+
+
+def test_every_later_build_is_compared_with_the_first(ncu_ab):
+    shapes = [(128, False, 1024), (256, True, 2048)]
+    medians = {"main": [[100.0, 200.0], [110.0, 210.0]], "a": [[90.0, 205.0], [100.0, 205.0]],
+               "b": [[105.0, 250.0], [105.0, 250.0]]}
+    lines = ncu_ab.comparison_lines(shapes, ["main", "a", "b"], medians)
+    assert lines == [
+        "D128 non-causal L1024: main 100 / 110 ns, a 90 / 100 ns: +10.53%",
+        "D128 non-causal L1024: main 100 / 110 ns, b 105 / 105 ns: +0.00%",
+        "D256 causal L2048: main 200 / 210 ns, a 205 / 205 ns: +0.00%",
+        "D256 causal L2048: main 200 / 210 ns, b 250 / 250 ns: -18.00%",
+    ]
