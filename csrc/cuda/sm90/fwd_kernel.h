@@ -1001,6 +1001,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_wait(&smem.v_full[last], parity_of(my_n_end - 1));
     issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));
     if constexpr (Traits::kSkipUnseenBlocks) pass_blocks(my_n_end);  // the blocks past this consumer's rows
+
+    // The rows' sums and lse while the last P V runs (it changes only O). A tile split between two CTAs (stream-K)
+    // has them again after the merge, which only then knows the rows' totals and which CTA stores them.
+    constexpr float kLn2 = 0.6931471805599453f;
+    float* const lse_base = tile.lse(p);
+    float inv[2];
+    const auto row_totals = [&](bool store_lse) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum = softmax.row_sum[h];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+        const int row = tile.m_start + row_in_block0 + 8 * h;
+        if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
+          lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+        }
+      }
+    };
+    const bool split_tile = Traits::kStreamKTail && (n_begin > 0 || n_end < num_n_blocks);
+    row_totals(!split_tile);
+    keep_before_wgmma_wait(inv[0] + inv[1], smem.scratch);
     wgmma_wait<0>();
     wgmma_fence_registers(o);
     mbarrier_arrive(&smem.v_empty[last]);
@@ -1009,34 +1031,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // A tile split between two CTAs (stream-K): one warp of the two holding these rows hands its part to the other.
     bool store_o = true;
     if constexpr (Traits::kStreamKTail) {
-      if (n_begin > 0 || n_end < num_n_blocks) {
+      if (split_tile) {
         const int boundary = static_cast<int>(blockIdx.x) - (n_begin > 0 ? 1 : 0);  // the CTA with blocks 0 ..
         const int slot = sm90_stream_k_slot(boundary, consumer, warp);
         const int slots = static_cast<int>(gridDim.x) * kSm90StreamKSlotsPerCta;
         float* const partial = p.sk_partial + slot * sm90_stream_k_partial_floats(kHeadDim);
         store_o = merge_split_tile<kHeadDim>(o, softmax.row_max, softmax.row_sum, scale_log2, n_begin == 0,
                                              p.sk_flags + slot, p.sk_flags + slots + slot, partial, lane);
+        row_totals(store_o);
       }
     }
 
-    // Epilogue: normalise, lse, O out.
-    constexpr float kLn2 = 0.6931471805599453f;
-    float* const lse_base = tile.lse(p);
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = softmax.row_sum[h];
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      inv[h] = sum > 0.f ? 1.f / sum : 0.f;
-      const int row = tile.m_start + row_in_block0 + 8 * h;
-      if (store_o && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
-        lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
-      }
-    }
-    // Each warp writes its 16 rows into the staging buffer with stmatrix, in the 128-byte swizzle the tensor map
-    // reads, and its lane 0 stores them with TMA. With kOInQ the first consumer's buffer is its rows of Q, handed
-    // back to the producer once stored.
+    // Epilogue: each warp writes its 16 rows of O, normalised, into the staging buffer with stmatrix, in the 128-byte
+    // swizzle the tensor map reads, and its lane 0 stores them with TMA. With kOInQ the first consumer's buffer is its
+    // rows of Q, handed back to the producer once stored.
     const int sub_tile = Traits::kOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
     T* staging = smem.q_stage(q_stage) + consumer * 64 * 64;
     if (my_o_in_k) {
