@@ -4,7 +4,7 @@
 //
 // Persistent grid: one CTA per SM (a few fewer for the causal zigzag and for the stride without a mask, launch.h) walks
 // the output tiles (kBlockM query rows of one batch and head). CTA = 1 + kConsumers warpgroups. Warpgroup 0 is the
-// producer: one thread loads each tile's Q and its K/V blocks into a 2- or 3-stage ring with TMA (128-byte swizzle;
+// producer: one thread loads each tile's Q and its K/V blocks into 2- or 3-stage rings with TMA (128-byte swizzle;
 // rows outside 0 .. L - 1 and columns past D are zero-filled by TMA), running ahead into the next tile (into a second Q
 // buffer where kQStages = 2). Each Q buffer (each consumer's part of it with kQParts) and each K and V stage have a
 // "full" mbarrier (TMA bytes landed) and an "empty" one (every consumer done with it; with kOInQ, the first consumer's
@@ -81,6 +81,12 @@ struct FwdTraits {
   // / +0.7% at L 1k / 1.5k / 2k and -0.2-0.3% at 4k-16k; without a mask +1.5% / +1.7% at 1k / 2k and -0.6% to +0.6% at
   // 4k-16k. The two-consumer causal kernel (L_q or L_k below 1024) had it since v13: +2-4% at L 512-1k.
   static constexpr int kStages = HeadDim == 64 ? 3 : 2;
+  // D128 without a mask: a third K stage (shared memory has room for one more 32 KB block beside its two O buffers, not
+  // for a K/V pair), and the producer issues each block's K one block ahead of the previous block's V, across tiles.
+  // The next tile's Q and first K then load once this tile's third-to-last block is done, not its second-to-last:
+  // their waits at the tile's start were 0.16 key-loop passes a tile (NOTES.md, (10)).
+  static constexpr bool kKAheadOfV = HeadDim == 128 && !Causal;
+  static constexpr int kKStages = kStages + (kKAheadOfV ? 1 : 0);  // V has kStages
   // Under a causal mask a consumer stops after the last key block its 64 rows see; for the tile's later blocks it
   // only takes its turns and releases their stages. Where the blocks are as tall as the tile (128 keys, 128 rows)
   // every consumer sees part of every block when L_q = L_k, so they do without it (the code alone cost the
@@ -144,7 +150,7 @@ struct FwdTraits {
   // Room for the mbarriers, the tile mailbox and the scratch word (SharedStorage; checked below): three consumers with
   // three K/V stages need 268 bytes.
   static constexpr int kBarrierBytes = kConsumers == 3 && kStages == 3 ? 512 : 256;
-  static constexpr int kPipelineBytes = (kQStages * kTileQ + 2 * kStages * kTileKV) * 2 + 1024 /* alignment */ +
+  static constexpr int kPipelineBytes = (kQStages * kTileQ + (kKStages + kStages) * kTileKV) * 2 + 1024 /* alignment */ +
                                         kBarrierBytes;
   static constexpr int kOBuffers = kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
@@ -208,9 +214,12 @@ struct FwdTraits {
   // before it releases its last V stage: were that many to reach its last stage again, that load would wait for it.
   static_assert(!kSkipUnseenBlocks || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
                 "a consumer would skip as many key blocks as there are stages");
-  static_assert((2 * kQStages * kQParts + 4 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) +
-                 (kFirstOInK ? kStages : 0) + 4) * 8 + 3 * 4 <= kBarrierBytes,
+  static_assert((2 * kQStages * kQParts + 2 * kKStages + 2 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) +
+                 (kFirstOInK ? kKStages : 0) + 4) * 8 + 3 * 4 <= kBarrierBytes,
                 "the mbarriers, the tile mailbox and the scratch word exceed kBarrierBytes");
+  // O staged in a K or V stage counts on the stage being reused in step with the other ring.
+  static_assert(!kKAheadOfV || (!kLastOInV && !kFirstOInK && !kSkipUnseenBlocks && !kSkipRowlessConsumers),
+                "K ahead of V: only where no O is staged in the rings and every consumer computes every block");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -220,18 +229,18 @@ struct FwdTraits {
 template <typename T, typename Traits>
 struct SharedStorage {
   T* q;                   // [kQStages][kColumnBlocks][kBlockM][64]
-  T* k;                   // [kStages][kColumnBlocks][kBlockN][64]
-  T* v;
+  T* k;                   // [kKStages][kColumnBlocks][kBlockN][64]
+  T* v;                   // [kStages][kColumnBlocks][kBlockN][64]
   T* o;                   // [kOBuffers][kColumnBlocks][64][64]
   uint64_t* q_full;       // [kQStages][kQParts]
   uint64_t* q_empty;      // [kQStages][kQParts]
-  uint64_t* k_full;       // [kStages]
+  uint64_t* k_full;       // [kKStages], k_empty the same; v_full and v_empty [kStages]
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
   uint64_t* o_free;       // [kOBuffers][4]: the TMA stores have read warp w's staged rows (one buffer per consumer)
   uint64_t* o_in_v_free;  // [kStages] with kLastOInV: the TMA stores have read the O staged in V stage s
-  uint64_t* o_in_k_free;  // [kStages] with kFirstOInK: the same for K stage s
+  uint64_t* o_in_k_free;  // [kKStages] with kFirstOInK: the same for K stage s
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
   int* tile_index;        // [2]
@@ -241,18 +250,18 @@ struct SharedStorage {
     // Swizzled tiles need 1024-byte alignment; dynamic shared memory only promises 16.
     q = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     k = q + Traits::kQStages * Traits::kTileQ;
-    v = k + Traits::kStages * Traits::kTileKV;
+    v = k + Traits::kKStages * Traits::kTileKV;
     o = v + Traits::kStages * Traits::kTileKV;
     q_full = reinterpret_cast<uint64_t*>(o + Traits::kOBuffers * Traits::kTileO);
     q_empty = q_full + Traits::kQStages * Traits::kQParts;
     k_full = q_empty + Traits::kQStages * Traits::kQParts;
-    v_full = k_full + Traits::kStages;
+    v_full = k_full + Traits::kKStages;
     k_empty = v_full + Traits::kStages;
-    v_empty = k_empty + Traits::kStages;
+    v_empty = k_empty + Traits::kKStages;
     o_free = v_empty + Traits::kStages;
     o_in_v_free = o_free + 4 * Traits::kOBuffers;
     o_in_k_free = o_in_v_free + (Traits::kLastOInV ? Traits::kStages : 0);
-    tile_full = o_in_k_free + (Traits::kFirstOInK ? Traits::kStages : 0);
+    tile_full = o_in_k_free + (Traits::kFirstOInK ? Traits::kKStages : 0);
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
     scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
@@ -625,12 +634,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_init(&smem.k_empty[s], kConsumerThreads);  // every consumer thread arrives once it has read the stage
       mbarrier_init(&smem.v_empty[s], kConsumerThreads);
     }
+    for (int s = kStages; s < Traits::kKStages; ++s) {  // K's extra stage (kKAheadOfV)
+      mbarrier_init(&smem.k_full[s], 1);
+      mbarrier_init(&smem.k_empty[s], kConsumerThreads);
+    }
     for (int b = 0; b < 4 * Traits::kOBuffers; ++b) mbarrier_init(&smem.o_free[b], 1);  // the warp's lane 0
     if constexpr (Traits::kLastOInV) {
       for (int s = 0; s < kStages; ++s) mbarrier_init(&smem.o_in_v_free[s], 4);  // lane 0 of each warp
     }
     if constexpr (Traits::kFirstOInK) {
-      for (int s = 0; s < kStages; ++s) mbarrier_init(&smem.o_in_k_free[s], 4);
+      for (int s = 0; s < Traits::kKStages; ++s) mbarrier_init(&smem.o_in_k_free[s], 4);
     }
     for (int slot = 0; slot < 2; ++slot) {
       mbarrier_init(&smem.tile_full[slot], 1);
@@ -650,6 +663,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
+    // kKAheadOfV: a block's V load waits until the next block's K is issued (the next tile's first where this was the
+    // tile's last); its first key row, kv head and batch are held until then.
+    [[maybe_unused]] int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
+    [[maybe_unused]] const auto load_v = [&](int count, int row, int kv_head, int batch) {  // count: its K's kv_loads
+      const int stage = count % kStages;
+      const int use = count / kStages;
+      if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
+      mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
+      for (int c = 0; c < kColumnBlocks; ++c) {
+        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row, kv_head,
+                    batch);
+      }
+    };
     // kLastOInV, a bit per stage: the stage's V holds the last consumer's staged O, and the parity of its o_in_v_free.
     [[maybe_unused]] uint32_t o_in_v = 0, o_in_v_parity = 0;
     [[maybe_unused]] uint32_t o_in_k = 0, o_in_k_parity = 0;  // the same for K stages with kFirstOInK
@@ -696,9 +722,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
       }
-      // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1]
-      // is requested as soon as S[n - 1] is done even though V[n - 1] is still in use.
+      // K and V of a block go into the same stage index (with kKAheadOfV K's ring is a stage longer, and V[n] is
+      // requested after K[n + 1]); each waits only for its own "empty" barrier, so K[n + 1] is requested as soon as
+      // S[n - 1] is done even though V[n - 1] is still in use.
       for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
+        if constexpr (Traits::kKAheadOfV) {
+          const int stage = kv_loads % Traits::kKStages;
+          const int use = kv_loads / Traits::kKStages;
+          if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
+          mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
+          for (int c = 0; c < kColumnBlocks; ++c) {
+            tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c,
+                        tile.key_start(n_block), tile.kv_head(p), tile.batch);
+          }
+          if (kv_loads > 0) load_v(kv_loads - 1, held_v_row, held_v_head, held_v_batch);
+          held_v_row = tile.key_start(n_block);
+          held_v_head = tile.kv_head(p);
+          held_v_batch = tile.batch;
+          continue;
+        }
         const int stage = kv_loads % kStages;
         const int use = kv_loads / kStages;
         const int row = tile.key_start(n_block);
@@ -733,6 +775,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int round = j + 1;
         index = round * gridDim.x + (round % 2 == 0 ? blockIdx.x : gridDim.x - 1 - blockIdx.x);
       }
+    }
+    if constexpr (Traits::kKAheadOfV) {
+      if (kv_loads > 0) load_v(kv_loads - 1, held_v_row, held_v_head, held_v_batch);  // the last block's V
     }
     return;
   }
@@ -834,9 +879,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       continue;
     }
     const int num_n_blocks = tile.num_n_blocks;
+    // A block's V stage and the parity of its barriers, and its K stage (kKStages; the same where K has no more).
     const auto stage_of = [&](int n_block) { return (kv_loads + n_block - n_begin) % kStages; };
     const auto parity_of = [&](int n_block) {
       return static_cast<uint32_t>(((kv_loads + n_block - n_begin) / kStages) & 1);
+    };
+    const auto k_stage_of = [&](int n_block) { return (kv_loads + n_block - n_begin) % Traits::kKStages; };
+    const auto k_parity_of = [&](int n_block) {
+      return static_cast<uint32_t>(((kv_loads + n_block - n_begin) / Traits::kKStages) & 1);
     };
     // The blocks n_first .. n_end - 1 without computing them: their turns, and their stages released once loaded (an
     // arrival before the load could count towards the stage's previous use, which another consumer may still be
@@ -846,8 +896,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int stage = stage_of(n_block);
         wait_turn();
         pass_turn();
-        mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
-        mbarrier_arrive(&smem.k_empty[stage]);
+        mbarrier_wait(&smem.k_full[k_stage_of(n_block)], k_parity_of(n_block));
+        mbarrier_arrive(&smem.k_empty[k_stage_of(n_block)]);
         mbarrier_wait(&smem.v_full[stage], parity_of(n_block));
         mbarrier_arrive(&smem.v_empty[stage]);
       }
@@ -913,14 +963,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         issue_qk<T, Traits>(s, q_rows, k_tile);
       }
     };
-    mbarrier_wait(&smem.k_full[stage_of(n_begin)], parity_of(n_begin));
+    mbarrier_wait(&smem.k_full[k_stage_of(n_begin)], k_parity_of(n_begin));
     wait_turn();
-    issue_s(smem.k_stage(stage_of(n_begin)));
+    issue_s(smem.k_stage(k_stage_of(n_begin)));
     pass_turn();
     release_staged_o();
     wgmma_wait<0>();
     wgmma_fence_registers(s);
-    mbarrier_arrive(&smem.k_empty[stage_of(n_begin)]);
+    mbarrier_arrive(&smem.k_empty[k_stage_of(n_begin)]);
     // Q free for reuse after the last S GEMM (with kOInQ the last consumer's part: the lane 0s of its warps), unless
     // it was at once (kQInRegisters).
     const bool q_free_after_s = !Traits::kQInRegisters && (!Traits::kOInQ || (my_o_in_v && lane == 0));
@@ -934,10 +984,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = n_begin + 1; n_block < my_n_end; ++n_block) {
-      const int stage = stage_of(n_block);
-      const int prev = stage_of(n_block - 1);
+      const int stage = k_stage_of(n_block);  // K's
+      const int prev = stage_of(n_block - 1);  // V's
       const int n_start = tile.key_start(n_block);
-      mbarrier_wait(&smem.k_full[stage], parity_of(n_block));
+      mbarrier_wait(&smem.k_full[stage], k_parity_of(n_block));
       wait_turn();
       issue_s(smem.k_stage(stage));
       mbarrier_wait(&smem.v_full[prev], parity_of(n_block - 1));
