@@ -82,9 +82,11 @@ struct FwdTraits {
   // 4k-16k. The two-consumer causal kernel (L_q or L_k below 1024) had it since v13: +2-4% at L 512-1k.
   static constexpr int kStages = HeadDim == 64 ? 3 : 2;
   // D128 without a mask: a third K stage (shared memory has room for one more 32 KB block beside its two O buffers, not
-  // for a K/V pair), and the producer issues each block's K one block ahead of the previous block's V, across tiles.
-  // The next tile's Q and first K then load once this tile's third-to-last block is done, not its second-to-last:
-  // their waits at the tile's start were 0.16 key-loop passes a tile (NOTES.md, (10)).
+  // for a K/V pair), and the producer requests each block's K before the previous block's V, across tiles. The next
+  // tile's first K then waits for the softmax of this tile's third-to-last block (its K's release), and the next tile's
+  // Q, requested just before it, for that block's V's predecessor: a block sooner than with one two-stage ring. Their
+  // waits at the tile's start were 0.16 key-loop passes a tile (NOTES.md, (10)); measured (v30, locked clocks) +0.9% /
+  // +2.2% / +2.0% / +1.6% at L 1k / 2k / 4k / 16k, the key loop's K-full waits shrinking too.
   static constexpr bool kKAheadOfV = HeadDim == 128 && !Causal;
   static constexpr int kKStages = kStages + (kKAheadOfV ? 1 : 0);  // V has kStages
   // Under a causal mask a consumer stops after the last key block its 64 rows see; for the tile's later blocks it
@@ -150,8 +152,8 @@ struct FwdTraits {
   // Room for the mbarriers, the tile mailbox and the scratch word (SharedStorage; checked below): three consumers with
   // three K/V stages need 268 bytes.
   static constexpr int kBarrierBytes = kConsumers == 3 && kStages == 3 ? 512 : 256;
-  static constexpr int kPipelineBytes = (kQStages * kTileQ + (kKStages + kStages) * kTileKV) * 2 + 1024 /* alignment */ +
-                                        kBarrierBytes;
+  static constexpr int kPipelineBytes =
+      (kQStages * kTileQ + (kKStages + kStages) * kTileKV) * 2 + 1024 /* alignment */ + kBarrierBytes;
   static constexpr int kOBuffers = kPipelineBytes + kConsumers * kTileO * 2 <= kMaxSmemBytes ? kConsumers
                                    : kPipelineBytes + kTileO * 2 <= kMaxSmemBytes             ? 1
                                                                                                : 0;
@@ -217,9 +219,10 @@ struct FwdTraits {
   static_assert((2 * kQStages * kQParts + 2 * kKStages + 2 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) +
                  (kFirstOInK ? kKStages : 0) + 4) * 8 + 3 * 4 <= kBarrierBytes,
                 "the mbarriers, the tile mailbox and the scratch word exceed kBarrierBytes");
-  // O staged in a K or V stage counts on the stage being reused in step with the other ring.
+  // K ahead of V is written and tested for the D128 kernel without a mask only: the code that stages O in a K or V
+  // stage (kFirstOInK, kLastOInV) counts K and V stages alike, and pass_blocks (skipped blocks) has not run with it.
   static_assert(!kKAheadOfV || (!kLastOInV && !kFirstOInK && !kSkipUnseenBlocks && !kSkipRowlessConsumers),
-                "K ahead of V: only where no O is staged in the rings and every consumer computes every block");
+                "K ahead of V: not with O staged in the rings or with consumers that skip key blocks");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -722,9 +725,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
         }
       }
-      // K and V of a block go into the same stage index (with kKAheadOfV K's ring is a stage longer, and V[n] is
-      // requested after K[n + 1]); each waits only for its own "empty" barrier, so K[n + 1] is requested as soon as
-      // S[n - 1] is done even though V[n - 1] is still in use.
+      // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, so K[n + 1] is
+      // requested as soon as S[n - 1] is done even though V[n - 1] is still in use. With kKAheadOfV, K has a ring of
+      // its own a stage longer, and V[n] is requested after K[n + 1]: K[n + 1] waits for the release of K[n - 2] (its
+      // softmax), V[n] for that of V[n - 2] (its P V), so K runs at most one block ahead of V.
       for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
         if constexpr (Traits::kKAheadOfV) {
           const int stage = kv_loads % Traits::kKStages;
@@ -984,8 +988,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     for (int n_block = n_begin + 1; n_block < my_n_end; ++n_block) {
-      const int stage = k_stage_of(n_block);  // K's
-      const int prev = stage_of(n_block - 1);  // V's
+      const int stage = k_stage_of(n_block);  // K[n]'s; prev: V[n - 1]'s
+      const int prev = stage_of(n_block - 1);
       const int n_start = tile.key_start(n_block);
       mbarrier_wait(&smem.k_full[stage], k_parity_of(n_block));
       wait_turn();
