@@ -10,9 +10,10 @@ drift of the card shows up as a spread between passes rather than as a differenc
     python benchmarks/ncu_ab.py --build main=/tmp/main --build new=. --shapes 128:nc:1024,128:nc:4096,256:c:8192
 
 prints, per shape, each build's median launch time (ns) per pass and the change of every later build against the first
-(+ is faster); more than two builds (--build given three times or more) are A/B'd against the first in one session. With --backward each call is a forward and a backward, and the Hopper backward kernel is timed. Shapes are
-D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then --launches timed ones. Needs
-ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
+(+ is faster); more than two builds (--build given three times or more) are A/B'd against the first in one session. With
+--backward each call is a forward and a backward, and the Hopper backward kernel is timed. Shapes are D:nc|c:L at B*L =
+--tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then --launches timed ones. Needs ncu (CUDA toolkit)
+on PATH or at /usr/local/cuda/bin/ncu.
 """
 import argparse
 import csv
@@ -142,6 +143,7 @@ def comparison_lines(shapes, names, medians):
             lines.append(f"D{d} {'causal' if causal else 'non-causal'} L{length}: {base} {passes(base)} ns, "
                          f"{new} {passes(new)} ns: {100 * (base_ns / new_ns - 1):+.2f}%")
     return lines
+
 
 if __name__ == "__main__":
     main()
