@@ -666,6 +666,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
+    // kKAheadOfV: a block's V load waits until the next block's K is issued (the next tile's first where this was the
+    // tile's last); its first key row, kv head and batch are held until then.
+    [[maybe_unused]] int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
+    [[maybe_unused]] const auto load_v = [&](int count, int row, int kv_head, int batch) {  // count: its K's kv_loads
+      const int stage = count % kStages;
+      const int use = count / kStages;
+      if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
+      mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
+      for (int c = 0; c < kColumnBlocks; ++c) {
+        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row, kv_head,
+                    batch);
+      }
+    };
     // kLastOInV, a bit per stage: the stage's V holds the last consumer's staged O, and the parity of its o_in_v_free.
     [[maybe_unused]] uint32_t o_in_v = 0, o_in_v_parity = 0;
     [[maybe_unused]] uint32_t o_in_k = 0, o_in_k_parity = 0;  // the same for K stages with kFirstOInK
@@ -677,35 +690,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         parity ^= 1u << stage;
       }
     };
-    // Block `count` (kv_loads) of K and of V into their stages, each once its stage's previous use is released (and a
-    // staged O has left it).
-    const auto load_k = [&](int count, int row, int kv_head, int batch) {
-      const int stage = count % Traits::kKStages;
-      const int use = count / Traits::kKStages;
-      if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
-      if constexpr (Traits::kFirstOInK) wait_staged_o_left(o_in_k, o_in_k_parity, smem.o_in_k_free, stage);
-      mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
-#pragma unroll 1
-      for (int c = 0; c < kColumnBlocks; ++c) {
-        tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row, kv_head,
-                    batch);
-      }
-    };
-    const auto load_v = [&](int count, int row, int kv_head, int batch) {
-      const int stage = count % kStages;
-      const int use = count / kStages;
-      if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
-      if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
-      mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
-#pragma unroll 1
-      for (int c = 0; c < kColumnBlocks; ++c) {
-        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row, kv_head,
-                    batch);
-      }
-    };
-    // kKAheadOfV: a block's V load waits until the next block's K is issued (the next tile's first where this was the
-    // tile's last); its first key row, kv head and batch are held until then.
-    [[maybe_unused]] int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
     int index = blockIdx.x;
     int n_begin = 0, n_end = 0;  // the key blocks of tile `index` this CTA computes (all but with stream-K)
     StaticSchedule schedule(p, num_tiles, (p.len_k + kBlockN - 1) / kBlockN);
@@ -746,15 +730,37 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // its own a stage longer, and V[n] is requested after K[n + 1]: K[n + 1] waits for the release of K[n - 2] (its
       // softmax), V[n] for that of V[n - 2] (its P V), so K runs at most one block ahead of V.
       for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
-        const int row = tile.key_start(n_block);
-        load_k(kv_loads, row, tile.kv_head(p), tile.batch);
         if constexpr (Traits::kKAheadOfV) {
+          const int stage = kv_loads % Traits::kKStages;
+          const int use = kv_loads / Traits::kKStages;
+          if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
+          mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
+          for (int c = 0; c < kColumnBlocks; ++c) {
+            tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c,
+                        tile.key_start(n_block), tile.kv_head(p), tile.batch);
+          }
           if (kv_loads > 0) load_v(kv_loads - 1, held_v_row, held_v_head, held_v_batch);
-          held_v_row = row;
+          held_v_row = tile.key_start(n_block);
           held_v_head = tile.kv_head(p);
           held_v_batch = tile.batch;
-        } else {
-          load_v(kv_loads, row, tile.kv_head(p), tile.batch);
+          continue;
+        }
+        const int stage = kv_loads % kStages;
+        const int use = kv_loads / kStages;
+        const int row = tile.key_start(n_block);
+        if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
+        if constexpr (Traits::kFirstOInK) wait_staged_o_left(o_in_k, o_in_k_parity, smem.o_in_k_free, stage);
+        mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
+                      tile.kv_head(p), tile.batch);
+        }
+        if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
+        if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
+        mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
+        for (int c = 0; c < kColumnBlocks; ++c) {
+          tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
+                      tile.kv_head(p), tile.batch);
         }
       }
       if (Traits::kLastOInV && n_end > n_begin) o_in_v |= 1u << ((kv_loads - 1) % kStages);  // the tile's last block
