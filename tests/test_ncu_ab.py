@@ -74,8 +74,8 @@ def test_every_later_build_is_compared_with_the_first(ncu_ab):
                "b": [[105.0, 250.0], [105.0, 250.0]]}
     lines = ncu_ab.comparison_lines(shapes, ["main", "a", "b"], medians)
     assert lines == [
-        "D128 non-causal L1024: main 100 / 110 ns, a 90 / 100 ns: +10.53%",
-        "D128 non-causal L1024: main 100 / 110 ns, b 105 / 105 ns: +0.00%",
-        "D256 causal L2048: main 200 / 210 ns, a 205 / 205 ns: +0.00%",
-        "D256 causal L2048: main 200 / 210 ns, b 250 / 250 ns: -18.00%",
+        "D128 non-causal L1024: main 100 / 110 ns, a 90 / 100 ns: +10.53% (overlap)",
+        "D128 non-causal L1024: main 100 / 110 ns, b 105 / 105 ns: +0.00% (overlap)",
+        "D256 causal L2048: main 200 / 210 ns, a 205 / 205 ns: +0.00% (overlap)",
+        "D256 causal L2048: main 200 / 210 ns, b 250 / 250 ns: -18.00% (apart)",
     ]
