@@ -1,8 +1,13 @@
 """A few small forward and backward calls for compute-sanitizer (memcheck, racecheck): odd lengths, causal, GQA,
 Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
 
-Usage: compute-sanitizer --tool memcheck python benchmarks/sanitize.py
+Usage: compute-sanitizer --tool memcheck python benchmarks/sanitize.py [--head-dims 128,256]
+
+--head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
+for a change to one of them: racecheck over every case takes about 150 s of device time on the H200.
 """
+import argparse
+
 import torch
 
 import flashattn_ext
@@ -42,9 +47,27 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
 ]
 
 
+def bucket(head_dim):
+    """The head dim of the Hopper kernels that run head_dim (launch.h, sm90_kernel_head_dim: the smallest of 64, 128
+    and 256 that holds it)."""
+    return next(b for b in (64, 128, 256) if head_dim <= b)
+
+
+def select_cases(head_dims=None):
+    """CASES whose head dim runs in one of the buckets head_dims (all with None)."""
+    return [case for case in CASES if head_dims is None or bucket(case[5]) in head_dims]
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", default=None,
+                        help="comma-separated buckets (64, 128, 256) whose cases run; default: every case")
+    args = parser.parse_args()
+    head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
+    if head_dims is not None and not head_dims <= {64, 128, 256}:
+        raise SystemExit(f"--head-dims: buckets are 64, 128 and 256, not {args.head_dims}")
     calls = 0
-    for batch, heads, heads_kv, len_q, len_k, head_dim, causal in CASES:
+    for batch, heads, heads_kv, len_q, len_k, head_dim, causal in select_cases(head_dims):
         for dtype in (torch.bfloat16, torch.float16):
             q = torch.randn(batch, heads, len_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
             k = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)

@@ -1,0 +1,23 @@
+"""benchmarks/sanitize.py on the CPU: which cases --head-dims keeps (the sanitizer runs need a GPU)."""
+import pytest
+
+from scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def sanitize():
+    return load_benchmark("sanitize")
+
+
+def test_buckets_are_the_hopper_kernels_head_dims(sanitize):
+    assert [sanitize.bucket(d) for d in (8, 40, 64, 72, 96, 120, 128, 136, 200, 256)] == [
+        64, 64, 64, 128, 128, 128, 128, 256, 256, 256]
+
+
+def test_head_dims_keep_their_cases_and_all_cases_by_default(sanitize):
+    assert sanitize.select_cases() == sanitize.CASES
+    by_bucket = {d: sanitize.select_cases({d}) for d in (64, 128, 256)}
+    assert all(by_bucket.values())
+    assert sorted(map(tuple, sum(by_bucket.values(), []))) == sorted(map(tuple, sanitize.CASES))
+    assert {case[5] for case in by_bucket[128]} == {96, 120, 128}
+    assert sanitize.select_cases({128, 256}) == [c for c in sanitize.CASES if c[5] > 64]
