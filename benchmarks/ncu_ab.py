@@ -139,9 +139,9 @@ def comparison_lines(shapes, names, medians):
     base = names[0]
     lines = []
     for i, (d, causal, length) in enumerate(shapes):
-        base_ns = statistics.mean(p[i] for p in medians[base])
-        passes = lambda name: " / ".join(f"{p[i]:.0f}" for p in medians[name])
         base_all = [p[i] for p in medians[base]]
+        base_ns = statistics.mean(base_all)
+        passes = lambda name: " / ".join(f"{p[i]:.0f}" for p in medians[name])
         for new in names[1:]:
             new_all = [p[i] for p in medians[new]]
             new_ns = statistics.mean(new_all)

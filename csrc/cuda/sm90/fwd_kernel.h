@@ -730,7 +730,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // its own a stage longer, and V[n] is requested after K[n + 1]: K[n + 1] waits for the release of K[n - 2] (its
       // softmax), V[n] for that of V[n - 2] (its P V), so K runs at most one block ahead of V. The two orders keep
       // their own copies of the loads: one load_k / load_v pair for both (TMA loops rolled) measured -1.35% at D256
-      // L1k, where the producer sits on the tile seam (NOTES.md, (22)).
+      // L1k (NOTES.md, (22)).
       for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
         if constexpr (Traits::kKAheadOfV) {
           const int stage = kv_loads % Traits::kKStages;
