@@ -125,20 +125,26 @@ constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) 
 // two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one tile long, so a
 // tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule). Returns how many
 // tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or a tile has fewer
-// than 12 key blocks. Measured against whole tiles (NOTES.md, v17, five rounds over two calls), D128 L 1k / 2k / 4k /
-// 8k / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). Only in the kernels
-// sm90_fwd_stream_k names (fwd_kernel.h, kStreamKTail, says why), whose grid is the SM count (sm90_static_grid).
-constexpr bool sm90_fwd_stream_k(int head_dim, bool causal) { return head_dim == 128 && !causal; }
-constexpr int kSm90StreamKBlockM = 128;  // that kernel's tile height (two consumers of 64 rows)
-constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks) {
+// key blocks than sm90_stream_k_min_blocks. Only in the kernels sm90_fwd_stream_k names (fwd_kernel.h, kStreamKTail,
+// says why), whose grid is the SM count (sm90_static_grid).
+constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kernel_head_dim >= 128 && !causal; }
+// D128 (128-key blocks), measured against whole tiles (NOTES.md, v17, five rounds over two calls), L 1k / 2k / 4k / 8k
+// / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). D256 (80-key blocks), against v30's
+// kernel without the split at locked clocks (NOTES.md, (24)): -4.6% at L1k (13 blocks), +1.4% at 4k (52), +1.9% at
+// 16k (205); at the card's own clocks, in one process, -7% / -2.4% / +1% / +2% at 1k / 2k / 4k / 8k.
+constexpr int64_t sm90_stream_k_min_blocks(int kernel_head_dim) { return kernel_head_dim <= 128 ? 12 : 48; }
+constexpr int kSm90StreamKBlockM = 128;  // those kernels' tile height (two consumers of 64 rows)
+constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks, int64_t min_blocks) {
   const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
-  if (num_n_blocks < 12 || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
+  if (num_n_blocks < min_blocks || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
   return num_tiles - (rounds - 1) * grid;
 }
-static_assert(sm90_stream_k_tiles(2048, 132, 16) == 200, "D128 L2k: 15 full rounds; the last 68 tiles and one round");
-static_assert(sm90_stream_k_tiles(2048, 132, 8) == 0, "D128 L1k: 8 key blocks");
-static_assert(sm90_stream_k_tiles(2048, 128, 12) == 0, "whole rounds");
-static_assert(sm90_stream_k_tiles(200, 132, 12) == 0, "no earlier round");
+static_assert(sm90_stream_k_tiles(2048, 132, 16, 12) == 200, "D128 L2k: 15 full rounds; the last 68 tiles and one round");
+static_assert(sm90_stream_k_tiles(2048, 132, 8, 12) == 0, "D128 L1k: 8 key blocks");
+static_assert(sm90_stream_k_tiles(2048, 128, 12, 12) == 0, "whole rounds");
+static_assert(sm90_stream_k_tiles(200, 132, 12, 12) == 0, "no earlier round");
+static_assert(sm90_stream_k_tiles(1024, 132, 52, 48) == 232, "D256 L4k: 6 full rounds; the last 100 tiles and one round");
+static_assert(sm90_stream_k_tiles(1024, 132, 26, 48) == 0, "D256 L2k: 26 key blocks");
 // Its workspace (FwdParams::sk_flags, sk_partial): a slot per CTA boundary, consumer (two) and warp (four); a slot's
 // partial holds 32 lanes x (D / 2 O values, 2 row bases, 2 row sums) floats, and its flags a lock and a ready word.
 constexpr int kSm90StreamKSlotsPerCta = 2 * 4;
