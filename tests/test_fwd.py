@@ -443,8 +443,8 @@ def fwd_with_schedule(monkeypatch, schedule, q, k, v, causal, scale=None):
 
 
 def stream_k_min_blocks(head_dim):
-    """csrc/cuda/launch.h sm90_stream_k_min_blocks: the key blocks a tile needs to be split (D128 kernel: 12, D256: 48)."""
-    return 12 if head_dim <= 128 else 48
+    """csrc/cuda/launch.h sm90_stream_k_min_blocks: the key blocks a tile needs to be split (D128 kernel: 12, D256: 96)."""
+    return 12 if head_dim <= 128 else 96
 
 
 def stream_k_tiles(num_tiles, grid, num_n_blocks, min_blocks):
@@ -461,17 +461,17 @@ def stream_k_tiles(num_tiles, grid, num_n_blocks, min_blocks):
     "head_dim,batch,len_q,len_k,scale",
     [(128, 1, 1100, 2150, None), (128, 1, 700, 2438, None), (128, 1, 300, 4000, None), (96, 1, 700, 2200, None),
      (120, 1, 1100, 2300, None), (128, 2, 700, 2200, -0.05), (128, 1, 1100, 1037, None), (128, 1, 1100, 2000, None),
-     (256, 1, 300, 4000, None), (200, 1, 700, 4100, None), (256, 2, 300, 3900, -0.05), (256, 1, 700, 2150, None)],
+     (256, 1, 300, 7700, None), (200, 1, 300, 7800, None), (256, 2, 300, 7681, -0.05), (256, 1, 700, 4000, None)],
 )
 def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, dtype):
     # Without a mask the Hopper forward's D128 and D256 kernels split their last tiles' key blocks between neighbouring
     # CTAs, which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile),
-    # where a tile has at least 12 key blocks of 128 (D128) or 48 of 80 (D256). The heads make about 2.5 rounds of
+    # where a tile has at least 12 key blocks of 128 (D128) or 96 of 80 (D256). The heads make about 2.5 rounds of
     # 128-row tiles on this GPU, so the last 1.5 rounds split. D128 keys: a partial last block of 102 (2150), 6 (2438),
     # 24 (2200), 124 (2300) and 32 keys (4000, 32 blocks); D96 and D120 in the D128 kernel; two batches with a negative
-    # scale; 1037 keys (9 blocks) take whole tiles; 2000 keys split (16 blocks, the last of 80). D256: 4000 keys (50 full
-    # blocks), D200 over 4100 (the last block of 20 keys), two batches over 3900 (49 blocks, the last of 60) with a
-    # negative scale; 2150 keys (27 blocks) take whole tiles. GQA: two query heads per kv head. Checked against the
+    # scale; 1037 keys (9 blocks) take whole tiles; 2000 keys split (16 blocks, the last of 80). D256: 7700 keys (97
+    # blocks, the last of 20), D200 over 7800 (the last block of 40 keys), two batches over 7681 (the last block of one
+    # key) with a negative scale; 4000 keys (50 blocks) take whole tiles. GQA: two query heads per kv head. Checked against the
     # reference, with and without the split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and
     # its merge adds the two parts in key order whichever CTA finishes second, so two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count

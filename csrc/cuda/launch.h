@@ -129,10 +129,11 @@ constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) 
 // says why), whose grid is the SM count (sm90_static_grid).
 constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kernel_head_dim >= 128 && !causal; }
 // D128 (128-key blocks), measured against whole tiles (NOTES.md, v17, five rounds over two calls), L 1k / 2k / 4k / 8k
-// / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). D256 (80-key blocks), against v30's
-// kernel without the split at locked clocks (NOTES.md, (24)): -4.6% at L1k (13 blocks), +1.4% at 4k (52), +1.9% at
-// 16k (205); at the card's own clocks, in one process, -7% / -2.4% / +1% / +2% at 1k / 2k / 4k / 8k.
-constexpr int64_t sm90_stream_k_min_blocks(int kernel_head_dim) { return kernel_head_dim <= 128 ? 12 : 48; }
+// / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). D256 (80-key blocks), the split
+// kernel against v30's without it (NOTES.md, (24)-(25)): at locked clocks -4.6% at L1k (13 blocks), +1.4% at 4k (52;
+// the passes overlap), +1.9% at 16k (205); at the card's own clocks in one process, eleven interleaved rounds, -1.2%
+// at 4k, +1.0% at 8k (103), +1.5% at 16k.
+constexpr int64_t sm90_stream_k_min_blocks(int kernel_head_dim) { return kernel_head_dim <= 128 ? 12 : 96; }
 constexpr int kSm90StreamKBlockM = 128;  // those kernels' tile height (two consumers of 64 rows)
 constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks, int64_t min_blocks) {
   const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
@@ -143,8 +144,8 @@ static_assert(sm90_stream_k_tiles(2048, 132, 16, 12) == 200, "D128 L2k: 15 full 
 static_assert(sm90_stream_k_tiles(2048, 132, 8, 12) == 0, "D128 L1k: 8 key blocks");
 static_assert(sm90_stream_k_tiles(2048, 128, 12, 12) == 0, "whole rounds");
 static_assert(sm90_stream_k_tiles(200, 132, 12, 12) == 0, "no earlier round");
-static_assert(sm90_stream_k_tiles(1024, 132, 52, 48) == 232, "D256 L4k: 6 full rounds; the last 100 tiles and one round");
-static_assert(sm90_stream_k_tiles(1024, 132, 26, 48) == 0, "D256 L2k: 26 key blocks");
+static_assert(sm90_stream_k_tiles(1024, 132, 103, 96) == 232, "D256 L8k: 6 full rounds; the last 100 tiles and one round");
+static_assert(sm90_stream_k_tiles(1024, 132, 52, 96) == 0, "D256 L4k: 52 key blocks");
 // Its workspace (FwdParams::sk_flags, sk_partial): a slot per CTA boundary, consumer (two) and warp (four); a slot's
 // partial holds 32 lanes x (D / 2 O values, 2 row bases, 2 row sums) floats, and its flags a lock and a ready word.
 constexpr int kSm90StreamKSlotsPerCta = 2 * 4;

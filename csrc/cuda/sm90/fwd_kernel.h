@@ -73,9 +73,9 @@ struct FwdTraits {
   // Without a mask the last tiles' key blocks are shared out over the CTAs, and a tile split between two CTAs is
   // merged by whichever finishes second (launch.h, sm90_stream_k_tiles; StaticSchedule, merge_split_tile). The D128
   // kernel always; at D256 a second kernel takes the tiles with at least sm90_stream_k_min_blocks key blocks
-  // (run_fwd_sm90): there the split at L1k measured -4.6% (locked clocks), and the schedule's state and the merge
-  // cost registers (8 bytes spilled, outside the key loop; 156-168 bytes, some in the key loop, in v17), so shorter
-  // tiles keep the kernel without them. The three-consumer D64 kernel's grid spreads its short tiles instead.
+  // (run_fwd_sm90): the split measured -4.6% at L1k and -1.2% to +1.4% at 4k (NOTES.md, (24)-(25)), and the
+  // schedule's state and the merge cost registers (8 bytes spilled, outside the key loop; 156-168 bytes, some in the
+  // key loop, in v17), so shorter tiles keep the kernel without them. The three-consumer D64 kernel's grid spreads its short tiles instead.
   static constexpr bool kStreamKTail = StreamKTail;
   static_assert(!StreamKTail || sm90_fwd_stream_k(HeadDim, Causal), "stream-K: the D128 and D256 kernels without a mask");
   static_assert(!kStreamKTail || kBlockM == kSm90StreamKBlockM, "flash_api sizes the split with kSm90StreamKBlockM");
