@@ -443,7 +443,7 @@ def fwd_with_schedule(monkeypatch, schedule, q, k, v, causal, scale=None):
 
 
 def stream_k_min_blocks(head_dim):
-    """csrc/cuda/launch.h sm90_stream_k_min_blocks: the key blocks a tile needs to be split (D128 kernel: 12, D256: 96)."""
+    """csrc/cuda/launch.h sm90_stream_k_min_blocks: the key blocks a tile needs to be split (D128: 12, D256: 96)."""
     return 12 if head_dim <= 128 else 96
 
 
@@ -471,9 +471,10 @@ def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, d
     # 24 (2200), 124 (2300) and 32 keys (4000, 32 blocks); D96 and D120 in the D128 kernel; two batches with a negative
     # scale; 1037 keys (9 blocks) take whole tiles; 2000 keys split (16 blocks, the last of 80). D256: 7700 keys (97
     # blocks, the last of 20), D200 over 7800 (the last block of 40 keys), two batches over 7681 (the last block of one
-    # key) with a negative scale; 4000 keys (50 blocks) take whole tiles. GQA: two query heads per kv head. Checked against the
-    # reference, with and without the split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its workspace, and
-    # its merge adds the two parts in key order whichever CTA finishes second, so two runs agree bit for bit.
+    # key) with a negative scale; 4000 keys (50 blocks) take whole tiles. GQA: two query heads per kv head. Checked
+    # against the reference, with and without the split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its
+    # workspace, and its merge adds the two parts in key order whichever CTA finishes second, so two runs agree bit for
+    # bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
     n_blocks = -(-len_k // (128 if head_dim <= 128 else 80))  # launch.h sm90_fwd_block_n(., false, len_k > 512)

@@ -140,11 +140,11 @@ constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n
   if (num_n_blocks < min_blocks || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
   return num_tiles - (rounds - 1) * grid;
 }
-static_assert(sm90_stream_k_tiles(2048, 132, 16, 12) == 200, "D128 L2k: 15 full rounds; the last 68 tiles and one round");
+static_assert(sm90_stream_k_tiles(2048, 132, 16, 12) == 200, "D128 L2k: 15 full rounds; the last 68 tiles, one round");
 static_assert(sm90_stream_k_tiles(2048, 132, 8, 12) == 0, "D128 L1k: 8 key blocks");
 static_assert(sm90_stream_k_tiles(2048, 128, 12, 12) == 0, "whole rounds");
 static_assert(sm90_stream_k_tiles(200, 132, 12, 12) == 0, "no earlier round");
-static_assert(sm90_stream_k_tiles(1024, 132, 103, 96) == 232, "D256 L8k: 6 full rounds; the last 100 tiles and one round");
+static_assert(sm90_stream_k_tiles(1024, 132, 103, 96) == 232, "D256 L8k: 6 full rounds; the last 100 tiles, one round");
 static_assert(sm90_stream_k_tiles(1024, 132, 52, 96) == 0, "D256 L4k: 52 key blocks");
 // Its workspace (FwdParams::sk_flags, sk_partial): a slot per CTA boundary, consumer (two) and warp (four); a slot's
 // partial holds 32 lanes x (D / 2 O values, 2 row bases, 2 row sums) floats, and its flags a lock and a ready word.

@@ -75,9 +75,10 @@ struct FwdTraits {
   // kernel always; at D256 a second kernel takes the tiles with at least sm90_stream_k_min_blocks key blocks
   // (run_fwd_sm90): the split measured -4.6% at L1k and -1.2% to +1.4% at 4k (NOTES.md, (24)-(25)), and the
   // schedule's state and the merge cost registers (8 bytes spilled, outside the key loop; 156-168 bytes, some in the
-  // key loop, in v17), so shorter tiles keep the kernel without them. The three-consumer D64 kernel's grid spreads its short tiles instead.
+  // key loop, in v17), so shorter tiles keep the kernel without them. The three-consumer D64 kernel's grid spreads its
+  // short tiles instead.
   static constexpr bool kStreamKTail = StreamKTail;
-  static_assert(!StreamKTail || sm90_fwd_stream_k(HeadDim, Causal), "stream-K: the D128 and D256 kernels without a mask");
+  static_assert(!StreamKTail || sm90_fwd_stream_k(HeadDim, Causal), "stream-K: D128 and D256 kernels without a mask");
   static_assert(!kStreamKTail || kBlockM == kSm90StreamKBlockM, "flash_api sizes the split with kSm90StreamKBlockM");
   // K/V stages: three at D64, where a tile's key blocks are shortest; two at D128 and D256, where they fill shared
   // memory or a third measured no better (6-13% slower at D128 causal up to L1k, there with O staged in the Q rows to
