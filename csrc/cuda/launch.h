@@ -125,8 +125,9 @@ constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) 
 // two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one tile long, so a
 // tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule). Returns how many
 // tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or a tile has fewer
-// key blocks than sm90_stream_k_min_blocks. Only in the kernels sm90_fwd_stream_k names (fwd_kernel.h, kStreamKTail,
-// says why), whose grid is the SM count (sm90_static_grid).
+// key blocks than sm90_stream_k_min_blocks. Only in the kernels with kStreamKTail (fwd_kernel.h says why): the D128
+// kernel without a mask, and at D256 the one run_fwd_sm90 takes for tiles that split; with a split the grid is the SM
+// count (else sm90_static_grid's).
 constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kernel_head_dim >= 128 && !causal; }
 // D128 (128-key blocks), measured against whole tiles (NOTES.md, v17, five rounds over two calls), L 1k / 2k / 4k / 8k
 // / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). D256 (80-key blocks), the split
