@@ -135,6 +135,8 @@ constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kern
 // the passes overlap), +1.9% at 16k (205); at the card's own clocks in one process, eleven interleaved rounds, -1.2%
 // at 4k, +1.0% at 8k (103), +1.5% at 16k.
 constexpr int64_t sm90_stream_k_min_blocks(int kernel_head_dim) { return kernel_head_dim <= 128 ? 12 : 96; }
+static_assert(sm90_stream_k_min_blocks(256) > sm90_d256_short_max_keys(false) / 64,
+              "the D256 64-key kernel (up to 512 keys) has no stream-K tail: its tiles must never qualify");
 constexpr int kSm90StreamKBlockM = 128;  // those kernels' tile height (two consumers of 64 rows)
 constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks, int64_t min_blocks) {
   const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
