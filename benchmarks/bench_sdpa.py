@@ -10,9 +10,10 @@ Usage (from the repository root):
 Every configuration gets fresh random inputs; our op, each SDPA backend (pinned with
 torch.nn.attention.sdpa_kernel) and the naive path (softmax(Q K^T) V in the input dtype, scores materialised)
 are then timed side by side in this process: triton.testing.do_bench medians on the GPU (CUDA events when triton
-is missing), perf_counter medians on the CPU, in --rounds interleaved rounds (ours, each backend, ours, ...) whose
-median is kept, so that the card's drift between measurements touches every implementation alike. A backend that
-rejects a configuration shows '-'; so does the naive path when its score matrix would exceed --naive-mem-gib.
+is missing), perf_counter medians on the CPU, in --rounds interleaved rounds (ours, each backend, then the same in
+reverse, ...) whose median is kept, so that the card's drift between measurements and the kernel run just before
+each touch every implementation alike. A backend that rejects a configuration shows '-'; so does the naive path when
+its score matrix would exceed --naive-mem-gib.
 
 FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
 above the inputs (CUDA only) and the max abs difference between our output and SDPA's (flash backend, else math).
@@ -70,7 +71,10 @@ CPU_DEFAULTS = dict(
 )
 CPU_QUICK = dict(head_dims="32", lengths="128,256", tokens=1024)
 
-GPU_WARMUP_MS, GPU_REP_MS = 25, 100  # do_bench budgets per measurement
+# do_bench budgets per measurement. Under the H200's 700 W cap the clock swings for a few hundred milliseconds after
+# the card switches kernels (faster after a slower one, e.g. SDPA's efficient backend, then a dip): 250 ms of warm-up
+# lets most of that pass before the timed window (benchmarks/NOTES.md, (29)-(31)).
+GPU_WARMUP_MS, GPU_REP_MS = 250, 100
 CPU_WARMUP_CALLS, CPU_REPS = 1, 5
 
 flashattn_ext = None  # imported in main() so that --help works without a build
@@ -260,9 +264,11 @@ def peak_memory_mib(fn: Callable[[], object]) -> float:
 
 def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: str,
             rounds: int) -> Dict[str, Measurement]:
-    """Time each implementation `rounds` times, interleaved (ours, flash, cudnn, ours, ...), and keep the median: a
-    card's speed drifts between measurements seconds apart, and interleaving spreads that drift over all of them.
-    An implementation that raises (an unsupported configuration, an OOM) gets an error, shown as '-'."""
+    """Time each implementation `rounds` times, interleaved, and keep the median: a card's speed drifts between
+    measurements seconds apart, and interleaving spreads that drift over all of them. The order turns round every
+    round (ours, flash, ..., cudnn, then cudnn, ..., flash, ours): what runs just before a measurement moves it under
+    a power cap (by up to 9% in a fixed order on the H200), and each implementation then follows both its neighbours
+    and itself. An implementation that raises (an unsupported configuration, an OOM) gets an error, shown as '-'."""
     results: Dict[str, Measurement] = {}
 
     def attempt(impl: str, step: Callable[[], object]):
@@ -282,8 +288,8 @@ def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: s
 
     prepared = {impl: attempt(impl, lambda: prepare(impl)) for impl in impls}
     times: Dict[str, List[float]] = {impl: [] for impl in impls}
-    for _ in range(rounds):
-        for impl in impls:
+    for round_index in range(rounds):
+        for impl in impls if round_index % 2 == 0 else impls[::-1]:
             if impl not in results:
                 times[impl].append(attempt(impl, lambda: timer(prepared[impl][0])))
     for impl in impls:
@@ -616,8 +622,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--naive-mem-gib", type=float, default=8.0,
                         help="skip the naive path when its score matrix exceeds this many GiB (0: never run it); "
                              "also bounds the math-backend reference of the correctness check")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="timings per implementation, interleaved across implementations; the median is kept")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="timings per implementation, interleaved across implementations in an order that turns "
+                             "round every round; the median is kept")
     parser.add_argument("--quick", action="store_true", help="a small subset of the grid, for smoke tests")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the CSV, JSON and PNG")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
