@@ -262,13 +262,19 @@ def peak_memory_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def round_order(impls: List[str], round_index: int) -> List[str]:
+    """The order of one round: as given in even rounds, reversed in odd ones (each implementation then follows both
+    its neighbours and, across a round's boundary, itself)."""
+    return impls if round_index % 2 == 0 else impls[::-1]
+
+
 def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: str,
             rounds: int) -> Dict[str, Measurement]:
     """Time each implementation `rounds` times, interleaved, and keep the median: a card's speed drifts between
     measurements seconds apart, and interleaving spreads that drift over all of them. The order turns round every
-    round (ours, flash, ..., cudnn, then cudnn, ..., flash, ours): what runs just before a measurement moves it under
-    a power cap (by up to 9% in a fixed order on the H200), and each implementation then follows both its neighbours
-    and itself. An implementation that raises (an unsupported configuration, an OOM) gets an error, shown as '-'."""
+    round (round_order): what runs just before a measurement moves it under a power cap (by up to 9% in a fixed order
+    on the H200; benchmarks/bench_method_probe.py). An implementation that raises (an unsupported configuration, an
+    OOM) gets an error, shown as '-'."""
     results: Dict[str, Measurement] = {}
 
     def attempt(impl: str, step: Callable[[], object]):
@@ -289,7 +295,7 @@ def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: s
     prepared = {impl: attempt(impl, lambda: prepare(impl)) for impl in impls}
     times: Dict[str, List[float]] = {impl: [] for impl in impls}
     for round_index in range(rounds):
-        for impl in impls if round_index % 2 == 0 else impls[::-1]:
+        for impl in round_order(impls, round_index):
             if impl not in results:
                 times[impl].append(attempt(impl, lambda: timer(prepared[impl][0])))
     for impl in impls:

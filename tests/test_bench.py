@@ -45,6 +45,12 @@ def test_measure_interleaves_the_rounds_and_keeps_each_median(bench):
     assert results["rejected"].ms is None
 
 
+def test_round_order_turns_round_every_round(bench):
+    assert bench.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bench.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert bench.round_order(["a", "b", "c"], 2) == ["a", "b", "c"]
+
+
 def test_cpu_variant_writes_its_rows_and_rounds(bench, tmp_path):
     bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--causal", "on", "--backends", "math",
                 "--tokens", "128", "--hidden", "64", "--rounds", "2", "--no-plot", "--out", str(tmp_path)])
