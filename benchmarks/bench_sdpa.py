@@ -594,7 +594,7 @@ def min_ratio(rows: List[Row], ratio: Callable[[Row], Optional[float]]) -> str:
     if not values:
         return "-"
     value, seqlen = min(values)
-    return f"{value:.2f} (L={seqlen})"
+    return f"{value:.3f} (L={seqlen})"  # three decimals: 1.0992 is not 1.10
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
