@@ -7,12 +7,15 @@
 For each shape (D:nc|c:L with B = 16384 // L and H = 2048 // D, as in bench_sdpa.py's grid) and each method
 (do_bench warm-up in ms, and a fixed order or one that turns round every round, as bench_sdpa.round_order does), it
 takes --rounds rounds of do_bench (100 ms timed) over ours, FA2, SDPA's efficient backend and cuDNN, starting from
-bench_sdpa's order (F) and from its reverse (R), --repeats times each, and prints the medians and ours / cuDNN of
-each. A method whose F and R figures disagree measures the order, not the kernels. With --transient it first prints
-each target's speed over the 400 ms after each other implementation's do_bench, in windows.
+bench_sdpa's order without the naive path (F) and from its reverse (R), --repeats times each, and prints ours /
+cuDNN (medians) of each. In the fixed order F and R give every implementation other predecessors, so where they
+disagree the method measures the order, not the kernels. In the turned order with an even number of rounds R is F a
+round later: the two share predecessors, and their agreement shows repeatability, not the bias left. With
+--transient it first prints each target's speed over the 400 ms (the sum of its calls' GPU times) after each
+implementation's do_bench, itself included, in windows.
 `benchmarks/measured/2026-12-01_h200_bench_method_probe.txt` and `..._bench_order_probe.txt` come from its
 prototype, which took the same measurements (NOTES.md, (29)-(30)): the fixed order with 25 ms of warm-up moved ours /
-cuDNN by up to 9% between F and R; the turned order with 250 ms by at most 2.3%.
+cuDNN by up to 9% between F and R; the turned order with 250 ms repeated within 2.3%.
 """
 import argparse
 import statistics
@@ -62,13 +65,15 @@ def window_medians(per_call_ms, edges_ms=TRANSIENT_WINDOWS_MS):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shapes", nargs="*", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES],
-                        help="D:nc|c:L (default: %(default)s)")
+                        help=f"D:nc|c:L (default: {' '.join(DEFAULT_SHAPES)})")
     parser.add_argument("--methods", type=parse_methods, default=parse_methods(DEFAULT_METHODS),
                         help=f"comma list of WARMUP_MS:fixed|turned (default {DEFAULT_METHODS})")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per measurement, as bench_sdpa's --rounds")
     parser.add_argument("--repeats", type=int, default=2, help="measurements per method and base order")
     parser.add_argument("--transient", action="store_true", help="also print each target's first 400 ms")
     args = parser.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        parser.error("--rounds and --repeats: at least 1")
 
     import torch
     from triton.testing import do_bench

@@ -11,9 +11,10 @@ Every configuration gets fresh random inputs; our op, each SDPA backend (pinned 
 torch.nn.attention.sdpa_kernel) and the naive path (softmax(Q K^T) V in the input dtype, scores materialised)
 are then timed side by side in this process: triton.testing.do_bench medians on the GPU (CUDA events when triton
 is missing), perf_counter medians on the CPU, in --rounds interleaved rounds (ours, each backend, then the same in
-reverse, ...) whose median is kept, so that the card's drift between measurements and the kernel run just before
-each touch every implementation alike. A backend that rejects a configuration shows '-'; so does the naive path when
-its score matrix would exceed --naive-mem-gib.
+reverse, ...) whose median is kept, so that the card's drift between measurements touches every implementation
+alike and what runs just before each measurement changes from round to round (under a power cap the latter moves a
+measurement; benchmarks/bench_method_probe.py). A backend that rejects a configuration shows '-'; so does the naive
+path when its score matrix would exceed --naive-mem-gib.
 
 FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
 above the inputs (CUDA only) and the max abs difference between our output and SDPA's (flash backend, else math).
@@ -263,8 +264,9 @@ def peak_memory_mib(fn: Callable[[], object]) -> float:
 
 
 def round_order(impls: List[str], round_index: int) -> List[str]:
-    """The order of one round: as given in even rounds, reversed in odd ones (each implementation then follows both
-    its neighbours and, across a round's boundary, itself)."""
+    """The order of one round: as given in even rounds, reversed in odd ones. An implementation inside the list then
+    follows its neighbour on one side, then on the other; the first and last follow themselves across every other
+    round's boundary."""
     return impls if round_index % 2 == 0 else impls[::-1]
 
 
@@ -409,7 +411,8 @@ def significant(value: Optional[float], digits: int = 4) -> Optional[float]:
 
 
 def row_record(row: Row, impls: List[str], backends: List[str]) -> Dict[str, object]:
-    """One flat dict per row, numbers to 4 significant digits: the CSV columns (the JSON adds the errors)."""
+    """One flat dict per row, numbers to 4 significant digits, the ratios to 5 (so that a ratio just below a bar such
+    as 1.10 does not read as 1.1): the CSV columns (the JSON adds the errors)."""
     c = row.config
     best = row.best_sdpa(backends)
     record = dict(dtype=c.dtype, head_dim=c.head_dim, causal=c.causal, seqlen=c.seqlen, batch=c.batch,
@@ -420,8 +423,8 @@ def row_record(row: Row, impls: List[str], backends: List[str]) -> Dict[str, obj
         record[f"{impl}_tflops"] = significant(result.tflops)
         record[f"{impl}_mem_mib"] = significant(result.mem_mib)
     record.update(
-        best_sdpa=best, ours_over_best=significant(row.ratio(best)),
-        ours_over_flash=significant(row.ratio("flash")) if "flash" in backends else None,
+        best_sdpa=best, ours_over_best=significant(row.ratio(best), 5),
+        ours_over_flash=significant(row.ratio("flash"), 5) if "flash" in backends else None,
         max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok,
     )
     return record
@@ -594,7 +597,7 @@ def min_ratio(rows: List[Row], ratio: Callable[[Row], Optional[float]]) -> str:
     if not values:
         return "-"
     value, seqlen = min(values)
-    return f"{value:.3f} (L={seqlen})"  # three decimals: 1.0992 is not 1.10
+    return f"{value:.4f} (L={seqlen})"  # four decimals: 1.0998 is below 1.10
 
 
 # --------------------------------------------------------------------------------------------------------- CLI

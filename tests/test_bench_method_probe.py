@@ -22,8 +22,7 @@ def test_shapes_and_methods(probe):
 
 
 def test_window_medians(probe):
-    # Calls end at 10, 20 | 30, 70, 110 | 150, 190, 230 | 270, ..., 470 ms: the windows to 25, 125, 250 and 400 ms,
-    # the calls ending past 400 ms counted in the last.
-    per_call = [10, 10, 10, 40, 40, 40, 40, 40, 40, 40, 40, 40, 40, 40]
-    assert probe.window_medians(per_call) == [(25, 10), (125, 40), (250, 40), (400, 40)]
+    # Calls end at 25 | 125 | 250 | 400, 900 ms: a call ending on an edge counts in the window it closes, and one
+    # ending past 400 ms in the last window.
+    assert probe.window_medians([25, 100, 125, 150, 500]) == [(25, 25), (125, 100), (250, 125), (400, 325)]
     assert probe.window_medians([10, 10, 30]) == [(25, 10), (125, 30)]  # empty windows left out
