@@ -133,7 +133,8 @@ constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kern
 // / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). D256 (80-key blocks), the split
 // kernel against v30's without it (NOTES.md, (24)-(25)): at locked clocks -4.6% at L1k (13 blocks), +1.4% at 4k (52;
 // the passes overlap), +1.9% at 16k (205); at the card's own clocks in one process, eleven interleaved rounds, -1.2%
-// at 4k, +1.0% at 8k (103), +1.5% at 16k.
+// at 4k, +1.0% at 8k (103), +1.5% at 16k. With the benchmark's later method (250 ms warm-up, turned order, four
+// rounds) one run read -1.8% at 8k and -0.7% at 16k ((33)): to be measured again before the threshold moves.
 constexpr int64_t sm90_stream_k_min_blocks(int kernel_head_dim) { return kernel_head_dim <= 128 ? 12 : 96; }
 static_assert(sm90_stream_k_min_blocks(256) > sm90_d256_short_max_keys(false) / 64,
               "the D256 64-key kernel (up to 512 keys) has no stream-K tail: its tiles must never qualify");
