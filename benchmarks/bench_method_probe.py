@@ -23,20 +23,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from power_probe import parse_shape  # noqa: E402  (D:nc|c:L, as in bench_sdpa.py's grid)
+
 DEFAULT_SHAPES = ("256:nc:16384", "256:nc:8192", "128:nc:1024")
 DEFAULT_METHODS = "25:fixed,25:turned,100:turned,250:turned"
 IMPLS = ("ours", "flash", "efficient", "cudnn")
 REP_MS = 100
 TRANSIENT_MS = 400
 TRANSIENT_WINDOWS_MS = (25, 125, 250, TRANSIENT_MS)
-
-
-def parse_shape(text):
-    """'128:nc:8192' -> (128, False, 8192)."""
-    head_dim, mask, length = text.split(":")
-    if mask not in ("nc", "c"):
-        raise argparse.ArgumentTypeError(f"shape {text!r}: the mask is 'nc' or 'c'")
-    return int(head_dim), mask == "c", int(length)
 
 
 def parse_methods(text):
@@ -78,7 +73,6 @@ def main():
     import torch
     from triton.testing import do_bench
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_sdpa
 
     bench_sdpa.import_flashattn_ext()
