@@ -22,7 +22,8 @@ def bench():
 
 def test_measure_interleaves_the_rounds_and_keeps_each_median(bench):
     # Each implementation is timed once per round, in an order that turns round every round, so a drift of the card
-    # and the kernel run just before touch all alike; a rejected implementation becomes an error, not a timing.
+    # touches all alike and the kernel run just before changes; a rejected implementation becomes an error, not a
+    # timing.
     timings = {"a": [3.0, 1.0, 2.0], "b": [5.0, 9.0, 4.0]}
     order = []
 
