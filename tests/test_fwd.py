@@ -442,9 +442,7 @@ def fwd_with_schedule(monkeypatch, schedule, q, k, v, causal, scale=None):
     return out, lse, torch.cuda.memory_stats()["allocation.all.allocated"] - before
 
 
-def stream_k_min_blocks(head_dim):
-    """csrc/cuda/launch.h sm90_stream_k_min_blocks: the key blocks a tile needs to be split (D128: 12, D256: 96)."""
-    return 12 if head_dim <= 128 else 96
+STREAM_K_MIN_BLOCKS = 12  # csrc/cuda/launch.h kSm90StreamKMinBlocks
 
 
 def stream_k_tiles(num_tiles, grid, num_n_blocks, min_blocks):
@@ -461,40 +459,45 @@ def stream_k_tiles(num_tiles, grid, num_n_blocks, min_blocks):
     "head_dim,batch,len_q,len_k,scale",
     [(128, 1, 1100, 2150, None), (128, 1, 700, 2438, None), (128, 1, 300, 4000, None), (96, 1, 700, 2200, None),
      (120, 1, 1100, 2300, None), (128, 2, 700, 2200, -0.05), (128, 1, 1100, 1037, None), (128, 1, 1100, 2000, None),
-     (256, 1, 300, 7700, None), (200, 1, 300, 7800, None), (256, 2, 300, 7681, -0.05), (256, 1, 700, 4000, None)],
+     (128, 1, 700, 300, None), (128, 1, 700, 100, None), (80, 2, 300, 1000, -0.05), (256, 1, 300, 7700, None),
+     (64, 1, 700, 2000, None)],
 )
 def test_cuda_stream_k_tail(monkeypatch, head_dim, batch, len_q, len_k, scale, dtype):
-    # Without a mask the Hopper forward's D128 and D256 kernels split their last tiles' key blocks between neighbouring
-    # CTAs, which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile),
-    # where a tile has at least 12 key blocks of 128 (D128) or 96 of 80 (D256). The heads make about 2.5 rounds of
-    # 128-row tiles on this GPU, so the last 1.5 rounds split. D128 keys: a partial last block of 102 (2150), 6 (2438),
-    # 24 (2200), 124 (2300) and 32 keys (4000, 32 blocks); D96 and D120 in the D128 kernel; two batches with a negative
-    # scale; 1037 keys (9 blocks) take whole tiles; 2000 keys split (16 blocks, the last of 80). D256: 7700 keys (97
-    # blocks, the last of 20), D200 over 7800 (the last block of 40 keys), two batches over 7681 (the last block of one
-    # key) with a negative scale; 4000 keys (50 blocks) take whole tiles. GQA: two query heads per kv head. Checked
-    # against the reference, with and without the split (FLASHATTN_FWD_SCHEDULE=whole-tiles); the split allocates its
-    # workspace, and its merge adds the two parts in key order whichever CTA finishes second, so two runs agree bit for
-    # bit.
+    # Without a mask the Hopper forward's D128 kernel splits its last tiles' key blocks between neighbouring CTAs,
+    # which merge their parts (launch.h: sm90_stream_k_tiles; fwd_kernel.h: StaticSchedule, merge_split_tile), where a
+    # tile has at least 12 key blocks of 128; FLASHATTN_FWD_SCHEDULE=stream-k splits them at any length. The heads make
+    # about 2.5 rounds of 128-row tiles on this GPU, so the last 1.5 rounds split. Keys: a partial last block of 102
+    # (2150), 6 (2438), 24 (2200), 124 (2300) and 32 keys (4000, 32 blocks); D96, D120 and D80 in the D128 kernel; two
+    # batches with a negative scale; 2000 keys split (16 blocks, the last of 80); 1037 (9 blocks), 300 (3) and 100 keys
+    # (1: no tile can be split, CTAs take one or two whole tiles) split only when forced. D256 (97 key blocks of 80)
+    # and D64 never split. GQA: two query heads per kv head. Checked against the reference under each schedule; the
+    # split allocates its workspace, and its merge adds the two parts in key order whichever CTA finishes second, so
+    # two runs agree bit for bit.
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     m_blocks = -(-len_q // 128)
-    n_blocks = -(-len_k // (128 if head_dim <= 128 else 80))  # launch.h sm90_fwd_block_n(., false, len_k > 512)
-    min_blocks = stream_k_min_blocks(head_dim)
+    n_blocks = -(-len_k // 128)  # launch.h sm90_fwd_block_n(128, false, len_k)
     heads = 2 * -(-5 * num_sms // (4 * m_blocks * batch))
-    split = stream_k_tiles(m_blocks * heads * batch, num_sms, n_blocks, min_blocks) > 0
+    in_split_kernel = 64 < head_dim <= 128  # launch.h sm90_fwd_stream_k
+    tiles = m_blocks * heads * batch
+    split = stream_k_tiles(tiles, num_sms, n_blocks, STREAM_K_MIN_BLOCKS) if in_split_kernel else 0
+    forced = stream_k_tiles(tiles, num_sms, n_blocks, 1) if in_split_kernel else 0
     hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"
-    if hopper and n_blocks >= min_blocks and not split:
-        pytest.skip(f"{m_blocks * heads * batch} tiles make whole rounds on {num_sms} SMs: nothing to split")
-    if hopper:
-        assert split == (n_blocks >= min_blocks)
+    if hopper and in_split_kernel and not forced:
+        pytest.skip(f"{tiles} tiles make whole rounds on {num_sms} SMs: nothing to split")
+    if hopper and in_split_kernel:
+        assert (split > 0) == (n_blocks >= STREAM_K_MIN_BLOCKS)
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, head_dim, dtype, "cuda")
-    out, lse, split_allocations = fwd_with_schedule(monkeypatch, "auto", q, k, v, False, scale)
+    out, lse, auto_allocations = fwd_with_schedule(monkeypatch, "auto", q, k, v, False, scale)
     assert_attention_close(out, lse, q, k, v, False, scale)
     again_out, again_lse, _ = fwd_with_schedule(monkeypatch, "auto", q, k, v, False, scale)
     assert torch.equal(out, again_out) and torch.equal(lse, again_lse)
+    forced_out, forced_lse, forced_allocations = fwd_with_schedule(monkeypatch, "stream-k", q, k, v, False, scale)
+    assert_attention_close(forced_out, forced_lse, q, k, v, False, scale)
     whole_out, whole_lse, whole_allocations = fwd_with_schedule(monkeypatch, "whole-tiles", q, k, v, False, scale)
     assert_attention_close(whole_out, whole_lse, q, k, v, False, scale)
     if hopper:
-        assert split_allocations == whole_allocations + split
+        assert auto_allocations == whole_allocations + (split > 0)
+        assert forced_allocations == whole_allocations + (forced > 0)
 
 
 def causal_block_m(head_dim, len_q, len_k):
@@ -547,7 +550,7 @@ def test_cuda_causal_schedules_agree(monkeypatch, head_dim, batch, heads, len_q,
         fwd(q, k, v, True)
         hopper = False  # the variable is read only where the causal Hopper forward runs
     except RuntimeError as error:
-        assert "FLASHATTN_FWD_SCHEDULE must be auto, counter or whole-tiles" in str(error)
+        assert "FLASHATTN_FWD_SCHEDULE must be auto, counter, whole-tiles or stream-k" in str(error)
         hopper = True
     if hopper:  # the counter is one allocation more (a zeroed int32); "auto" allocates it only where it uses it
         block_m = causal_block_m(head_dim, len_q, len_k)

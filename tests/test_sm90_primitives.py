@@ -77,10 +77,10 @@ def test_tma_load_zero_fills_rows_before_zero(probe, row):
 @pytest.mark.cuda
 @needs_hopper
 def test_stream_k_merge_is_the_same_whichever_part_takes_the_lock_first(probe):
-    # The D128 (and long-tile D256) forward without a mask splits its last tiles over keys between two CTAs; the warp
-    # that finishes second merges (fwd_kernel.h, merge_split_tile). In the kernel the part with the first key blocks
-    # nearly always merges, so this forces both orders: the result must not depend on it, and must match the merge rule:
-    # each part's O and row sums scaled by 2^(base - max base), base = row max * scale_log2.
+    # The D128 forward without a mask splits its last tiles over keys between two CTAs; the warp that finishes
+    # second merges (fwd_kernel.h, merge_split_tile). In the kernel the part with the first key blocks nearly always
+    # merges, so this forces both orders: the result must not depend on it, and must match the merge rule: each
+    # part's O and row sums scaled by 2^(base - max base), base = row max * scale_log2.
     torch.manual_seed(0)
     parts = torch.randn(2, 68, 32, device="cuda")  # [part][64 O values, 2 row maxima, 2 row sums][lane]
     parts[:, 64:66] *= 4.0

@@ -127,13 +127,14 @@ Sm90Mode sm90_bwd_mode() {
 
 // FLASHATTN_FWD_SCHEDULE (read per call, for tests and comparisons): "counter" makes the causal Hopper forward take
 // its tiles from a counter even where the static zigzag applies; "whole-tiles" keeps the non-causal one from splitting
-// its last tiles over keys (stream-K). Returns the value, or "auto".
+// its last tiles over keys (stream-K), and "stream-k" has it split them whatever their length (where the tiles leave a
+// part-filled last round). Returns the value, or "auto".
 std::string fwd_schedule_override() {
   const char* env = std::getenv("FLASHATTN_FWD_SCHEDULE");
   if (env == nullptr || *env == '\0') return "auto";
   const std::string value(env);
-  TORCH_CHECK(value == "auto" || value == "counter" || value == "whole-tiles",
-              "FLASHATTN_FWD_SCHEDULE must be auto, counter or whole-tiles, got '", value, "'");
+  TORCH_CHECK(value == "auto" || value == "counter" || value == "whole-tiles" || value == "stream-k",
+              "FLASHATTN_FWD_SCHEDULE must be auto, counter, whole-tiles or stream-k, got '", value, "'");
   return value;
 }
 
@@ -226,17 +227,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
       params.tile_counter = tile_counter.data_ptr<int>();
     }
   }
-  // Without a mask the D128 and D256 kernels split their last tiles over keys where the tiles are long enough
-  // (launch.h: sm90_fwd_stream_k, sm90_stream_k_min_blocks; fwd_kernel.h: kStreamKTail): a workspace of 9.2 MB (D128)
-  // or 17.8 MB (D256) on 132 SMs, its flags zeroed per call.
+  // Without a mask the D128 kernel splits its last tiles over keys where the tiles are long enough (launch.h:
+  // sm90_fwd_stream_k, kSm90StreamKMinBlocks; fwd_kernel.h: kStreamKTail): a workspace of 9.2 MB on 132 SMs, its
+  // flags zeroed per call.
   const int kernel_head_dim = sm90_kernel_head_dim(bucket);
-  if (use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) && fwd_schedule_override() != "whole-tiles") {
+  const std::string schedule = fwd_schedule_override();
+  if (use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) && schedule != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
     const int64_t num_tiles = (s.len_q + kSm90StreamKBlockM - 1) / kSm90StreamKBlockM * s.heads * s.batch;
     const int block_n = sm90_fwd_block_n(kernel_head_dim, causal, s.len_k);
     const int64_t num_n_blocks = (s.len_k + block_n - 1) / block_n;
     params.sk_tiles = static_cast<int>(
-        sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks, sm90_stream_k_min_blocks(kernel_head_dim)));
+        sm90_stream_k_tiles(num_tiles, num_sms, num_n_blocks, schedule == "stream-k" ? 1 : kSm90StreamKMinBlocks));
     if (params.sk_tiles > 0) {
       const int64_t slots = static_cast<int64_t>(num_sms) * kSm90StreamKSlotsPerCta;
       const int64_t flag_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));

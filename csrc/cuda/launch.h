@@ -120,25 +120,18 @@ constexpr int sm90_fwd_block_n(int kernel_head_dim, bool causal, int64_t len_k) 
 }
 
 // The Hopper forward without a mask gives each CTA whole tiles at a fixed stride, so where the tiles are not a multiple
-// of the grid the last round runs on part of it (2048 tiles on 132 SMs at D128: 15.5 rounds take 16; at D256 1024
-// tiles, 7.8 rounds take 8). Stream-K over the last tiles: the tiles past all but the last full round, between one and
-// two rounds of them, have their key blocks shared out evenly over the CTAs, each share at least one tile long, so a
-// tile is split between at most two CTAs, which merge their parts (fwd_kernel.h, StaticSchedule). Returns how many
-// tiles, or 0 where the last round is more than 7/8 full, there is no earlier round to fold in, or a tile has fewer
-// key blocks than sm90_stream_k_min_blocks. Only in the kernels with kStreamKTail (fwd_kernel.h says why): the D128
-// kernel without a mask, and at D256 the one run_fwd_sm90 takes for tiles that split; with a split the grid is the SM
-// count (else sm90_static_grid's).
-constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kernel_head_dim >= 128 && !causal; }
-// D128 (128-key blocks), measured against whole tiles (NOTES.md, v17, five rounds over two calls), L 1k / 2k / 4k / 8k
-// / 16k: -1.6 / +0.9 / +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k). D256 (80-key blocks), the split
-// kernel against v30's without it (NOTES.md, (24)-(25)): at locked clocks -4.6% at L1k (13 blocks), +1.4% at 4k (52;
-// the passes overlap), +1.9% at 16k (205); at the card's own clocks in one process, eleven interleaved rounds, -1.2%
-// at 4k, +1.0% at 8k (103), +1.5% at 16k. With the benchmark's later method (250 ms warm-up, turned order, four
-// rounds) one run read -1.8% at 8k and -0.7% at 16k ((33)): to be measured again before the threshold moves.
-constexpr int64_t sm90_stream_k_min_blocks(int kernel_head_dim) { return kernel_head_dim <= 128 ? 12 : 96; }
-static_assert(sm90_stream_k_min_blocks(256) > sm90_d256_short_max_keys(false) / 64,
-              "the D256 64-key kernel (up to 512 keys) has no stream-K tail: its tiles must never qualify");
-constexpr int kSm90StreamKBlockM = 128;  // those kernels' tile height (two consumers of 64 rows)
+// of the grid the last round runs on part of it (2048 tiles on 132 SMs at D128: 15.5 rounds take 16). Stream-K over
+// the last tiles: the tiles past all but the last full round, between one and two rounds of them, have their key
+// blocks shared out evenly over the CTAs, each share at least one tile long, so a tile is split between at most two
+// CTAs, which merge their parts (fwd_kernel.h, StaticSchedule). Returns how many tiles, or 0 where the last round is
+// more than 7/8 full, there is no earlier round to fold in, or a tile has fewer key blocks than min_blocks
+// (kSm90StreamKMinBlocks; FLASHATTN_FWD_SCHEDULE=stream-k passes 1). Only in the kernel with kStreamKTail, the D128 one
+// without a mask (fwd_kernel.h says why); with a split the grid is the SM count (else sm90_static_grid's).
+constexpr bool sm90_fwd_stream_k(int kernel_head_dim, bool causal) { return kernel_head_dim == 128 && !causal; }
+// Measured against whole tiles (NOTES.md, v17, five rounds over two calls), L 1k / 2k / 4k / 8k / 16k: -1.6 / +0.9 /
+// +0.8 / +1.4 / +1.9% (then with 176-key blocks: 6 at L1k).
+constexpr int64_t kSm90StreamKMinBlocks = 12;
+constexpr int kSm90StreamKBlockM = 128;  // that kernel's tile height (two consumers of 64 rows)
 constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n_blocks, int64_t min_blocks) {
   const int64_t rounds = num_tiles / grid, rest = num_tiles % grid;
   if (num_n_blocks < min_blocks || rounds < 2 || rest == 0 || rest * 8 > static_cast<int64_t>(grid) * 7) return 0;
@@ -146,10 +139,9 @@ constexpr int64_t sm90_stream_k_tiles(int64_t num_tiles, int grid, int64_t num_n
 }
 static_assert(sm90_stream_k_tiles(2048, 132, 16, 12) == 200, "D128 L2k: 15 full rounds; the last 68 tiles, one round");
 static_assert(sm90_stream_k_tiles(2048, 132, 8, 12) == 0, "D128 L1k: 8 key blocks");
+static_assert(sm90_stream_k_tiles(2048, 132, 8, 1) == 200, "D128 L1k forced");
 static_assert(sm90_stream_k_tiles(2048, 128, 12, 12) == 0, "whole rounds");
 static_assert(sm90_stream_k_tiles(200, 132, 12, 12) == 0, "no earlier round");
-static_assert(sm90_stream_k_tiles(1024, 132, 103, 96) == 232, "D256 L8k: 6 full rounds; the last 100 tiles, one round");
-static_assert(sm90_stream_k_tiles(1024, 132, 52, 96) == 0, "D256 L4k: 52 key blocks");
 // Its workspace (FwdParams::sk_flags, sk_partial): a slot per CTA boundary, consumer (two) and warp (four); a slot's
 // partial holds 32 lanes x (D / 2 O values, 2 row bases, 2 row sums) floats, and its flags a lock and a ready word.
 constexpr int kSm90StreamKSlotsPerCta = 2 * 4;

@@ -33,7 +33,7 @@ struct FwdParams {
   int* tile_counter;
   int zigzag_grid;
 
-  // Hopper forward without a mask (D128, D256): the last sk_tiles tiles are split over keys between neighbouring
+  // Hopper forward without a mask (the D128 kernel): the last sk_tiles tiles are split over keys between neighbouring
   // CTAs (launch.h: sm90_stream_k_tiles; 0: none). sk_flags: 2 * num_sms * 8 int32, zeroed per call (a lock, then a
   // "ready" flag per CTA boundary, consumer and warp); sk_partial: num_sms * 8 * 32 * (D / 2 + 4) floats (a warp's
   // unnormalised O, row bases in log2 units and row sums). flash_api.cpp allocates them; other kernels ignore all

@@ -58,9 +58,8 @@ namespace flashattn::sm90 {
 // (O is 64/128 per thread) allow only two.
 constexpr int sm90_fwd_consumers(int head_dim, bool causal) { return head_dim == 64 && !causal ? 3 : 2; }
 
-// BlockN: keys per block (launch.h, sm90_fwd_block_n). StreamKTail: kStreamKTail.
-template <int HeadDim, bool Causal, int BlockN, int Consumers = sm90_fwd_consumers(HeadDim, Causal),
-          bool StreamKTail = HeadDim == 128 && !Causal>
+// BlockN: keys per block (launch.h, sm90_fwd_block_n).
+template <int HeadDim, bool Causal, int BlockN, int Consumers = sm90_fwd_consumers(HeadDim, Causal)>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kConsumers = Consumers;
@@ -71,14 +70,12 @@ struct FwdTraits {
   // consumer registers).
   static constexpr bool kDynamicTiles = Causal;
   // Without a mask the last tiles' key blocks are shared out over the CTAs, and a tile split between two CTAs is
-  // merged by whichever finishes second (launch.h, sm90_stream_k_tiles; StaticSchedule, merge_split_tile). The D128
-  // kernel always; at D256 a second kernel takes the tiles with at least sm90_stream_k_min_blocks key blocks
-  // (run_fwd_sm90): the split measured -4.6% at L1k and -1.2% to +1.4% at 4k (NOTES.md, (24)-(25)), and the
-  // schedule's state and the merge cost registers (8 bytes spilled, outside the key loop; 156-168 bytes, some in the
-  // key loop, in v17), so shorter tiles keep the kernel without them. The three-consumer D64 kernel's grid spreads its
+  // merged by whichever finishes second (launch.h, sm90_stream_k_tiles; StaticSchedule, merge_split_tile). At D128
+  // only. At D256 the schedule's state and the merge cost registers (v17: 156-168 bytes spilled, some in the key loop;
+  // v31, in a second kernel for tiles of 96 or more key blocks: 8 bytes), and with the benchmark's method the split
+  // read 2.4% / 3.2% below whole tiles at L 8k / 16k (NOTES.md, (34)). The three-consumer D64 kernel's grid spreads its
   // short tiles instead.
-  static constexpr bool kStreamKTail = StreamKTail;
-  static_assert(!StreamKTail || sm90_fwd_stream_k(HeadDim, Causal), "stream-K: D128 and D256 kernels without a mask");
+  static constexpr bool kStreamKTail = sm90_fwd_stream_k(HeadDim, Causal);
   static_assert(!kStreamKTail || kBlockM == kSm90StreamKBlockM, "flash_api sizes the split with kSm90StreamKBlockM");
   // K/V stages: three at D64, where a tile's key blocks are shortest; two at D128 and D256, where they fill shared
   // memory or a third measured no better (6-13% slower at D128 causal up to L1k, there with O staged in the Q rows to
@@ -1251,11 +1248,6 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   } else {
     if (sm90_fwd_block_n(256, kCausal, params.len_k) == 64) {
       return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64>, kCausal>(params, stream);
-    }
-    if constexpr (!kCausal) {
-      if (params.sk_tiles > 0) {  // long tiles (flash_api: sm90_stream_k_min_blocks)
-        return launch_fwd_sm90<T, FwdTraits<256, false, 80, 2, true>, false>(params, stream);
-      }
     }
     return launch_fwd_sm90<T, FwdTraits<256, kCausal, 80>, kCausal>(params, stream);
   }
