@@ -4,8 +4,7 @@ Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward 
 Usage: compute-sanitizer --tool memcheck python benchmarks/sanitize.py [--head-dims 128,256]
 
 --head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
-for a change to one of them: racecheck over every case took 150-160 s of device time on the H200 (before version 31
-added a long D256 case, since removed).
+for a change to one of them: racecheck over every case takes about 150 s of device time on the H200.
 """
 import argparse
 

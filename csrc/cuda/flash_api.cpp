@@ -127,8 +127,8 @@ Sm90Mode sm90_bwd_mode() {
 
 // FLASHATTN_FWD_SCHEDULE (read per call, for tests and comparisons): "counter" makes the causal Hopper forward take
 // its tiles from a counter even where the static zigzag applies; "whole-tiles" keeps the non-causal one from splitting
-// its last tiles over keys (stream-K), and "stream-k" has it split them whatever their length (where the tiles leave a
-// part-filled last round). Returns the value, or "auto".
+// its last tiles over keys (stream-K), and "stream-k" has it split them however few key blocks they have (the other
+// rules of sm90_stream_k_tiles still apply). Returns the value, or "auto".
 std::string fwd_schedule_override() {
   const char* env = std::getenv("FLASHATTN_FWD_SCHEDULE");
   if (env == nullptr || *env == '\0') return "auto";
@@ -229,10 +229,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   }
   // Without a mask the D128 kernel splits its last tiles over keys where the tiles are long enough (launch.h:
   // sm90_fwd_stream_k, kSm90StreamKMinBlocks; fwd_kernel.h: kStreamKTail): a workspace of 9.2 MB on 132 SMs, its
-  // flags zeroed per call.
+  // flags zeroed per call. FLASHATTN_FWD_SCHEDULE is read only where it applies, so no other path rejects it.
   const int kernel_head_dim = sm90_kernel_head_dim(bucket);
-  const std::string schedule = fwd_schedule_override();
-  if (use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) && schedule != "whole-tiles") {
+  const std::string schedule =
+      use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) ? fwd_schedule_override() : "whole-tiles";
+  if (schedule != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
     const int64_t num_tiles = (s.len_q + kSm90StreamKBlockM - 1) / kSm90StreamKBlockM * s.heads * s.batch;
     const int block_n = sm90_fwd_block_n(kernel_head_dim, causal, s.len_k);
