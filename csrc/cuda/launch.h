@@ -77,11 +77,16 @@ constexpr int sm90_causal_zigzag_grid(int64_t num_m_blocks, int64_t num_tiles, i
 // tiles than the SM count does and whose busiest CTA has the least work, as an upper bound: tiles times `consumers`,
 // less the short tiles it surely gets times the consumers that skip in them (`short_tile_consumers` compute there).
 // A lone consumer's tile costs more than its share (0.65 of a full one, NOTES.md v15), so a grid that adds a tile to
-// the busiest CTA is not taken for short tiles it spreads. The SM count on a tie.
+// the busiest CTA is not taken for short tiles it spreads. On a tie the SM count where there are short tiles to spread;
+// where there are none (every consumer computes in a head's last tile), the fewest CTAs: the card runs at its power cap
+// (700 W on the H200), and SMs that sit out every round rather than part of the last leave their power to the rest
+// for the whole launch. Measured (NOTES.md, (39); 1024 tiles on 128 CTAs against 132, eight rounds either way): D256
+// -0.1 / +2.3 / +2.2 / +2.1 / +1.0% at L 1k / 2k / 4k / 8k / 16k, D128 +2.4% at 1k (2048 tiles, sixteen rounds).
 constexpr int sm90_static_grid(int64_t num_m_blocks, int64_t num_tiles, int num_sms, int consumers,
                                int short_tile_consumers) {
   if (num_m_blocks <= 0 || num_tiles <= 0) return num_sms;
   const int64_t most_tiles = (num_tiles + num_sms - 1) / num_sms;  // the busiest CTA's on num_sms CTAs
+  const bool spreads_short_tiles = short_tile_consumers < consumers;
   int best = num_sms;
   int64_t least_work = -1;
   for (int size = num_sms; size > 0 && size * 32 >= num_sms * 31; --size) {
@@ -90,7 +95,7 @@ constexpr int sm90_static_grid(int64_t num_m_blocks, int64_t num_tiles, int num_
     const bool walks_all_blocks = std::gcd(static_cast<int64_t>(size), num_m_blocks) == 1;
     const int64_t short_tiles = walks_all_blocks ? tiles / num_m_blocks : 0;  // at least
     const int64_t work = tiles * consumers - short_tiles * (consumers - short_tile_consumers);
-    if (least_work < 0 || work < least_work) {
+    if (least_work < 0 || work < least_work || (!spreads_short_tiles && work == least_work)) {
       least_work = work;
       best = size;
     }
@@ -102,7 +107,10 @@ static_assert(sm90_static_grid(6, 3072, 132, 3, 1) == 131, "L1k: 6 query blocks,
 static_assert(sm90_static_grid(11, 2816, 132, 3, 2) == 131, "L2k: 11 query blocks, the last with two");
 static_assert(sm90_static_grid(22, 2816, 132, 3, 1) == 131, "L4k: 22 query blocks, the last with one");
 static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would give one 22 tiles");
-static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 132, "D128 L1k: every tile full");
+static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 128, "D128 L1k: every tile full, 16 rounds on 128 CTAs");
+static_assert(sm90_static_grid(8, 1024, 132, 2, 2) == 128, "D256 L1k: 8 rounds on 128 CTAs");
+static_assert(sm90_static_grid(8, 1000, 132, 2, 2) == 128, "8 rounds: the fewest within 1/32 of the SMs (125 take 8 too)");
+static_assert(sm90_static_grid(8, 100, 132, 2, 2) == 128, "one round");
 
 // Keys per block of the Hopper forward, by head dim, mask and L_k (measured with benchmarks/tune_fwd.py; NOTES.md,
 // v1-v3 unless named). D64: 128. D128: 128 keys, with Q from registers (fwd_kernel.h, kQInRegisters), at every L_k.
