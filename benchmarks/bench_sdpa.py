@@ -442,6 +442,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
     return dict(
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         device=torch.cuda.get_device_name() if on_gpu else cpu_name(),
+        device_uuid=gpu_uuid() if on_gpu else None,
         cpu_threads=torch.get_num_threads(),
         torch=torch.__version__,
         cuda=torch.version.cuda if on_gpu else None,
@@ -453,6 +454,13 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         dtypes=args.dtypes, mode=args.mode, timer=timer_name, rounds=args.rounds, naive_mem_gib=args.naive_mem_gib,
         tokens=args.tokens, hidden=args.hidden,
     )
+
+
+def gpu_uuid() -> Optional[str]:
+    """The card's UUID: which physical GPU a run had. Each call to the device machine may get another card, and under
+    the power cap cards differ by a few percent in ours / cuDNN (NOTES.md, (41)), so runs compare only on one card."""
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return None if uuid is None else str(uuid)
 
 
 def cpu_name() -> str:
@@ -685,7 +693,8 @@ def main(argv=None) -> None:
     timer, timer_name = make_timer(args.device)
     meta = metadata(args, timer_name)
     variant = "GPU" if args.device == "cuda" else "CPU variant (no GPU in use: small fp32 sizes by default)"
-    print(f"bench_sdpa: {variant} on {meta['device']}; torch {meta['torch']}, cuDNN {meta['cudnn']}; "
+    card = f" ({meta['device_uuid']})" if meta["device_uuid"] else ""
+    print(f"bench_sdpa: {variant} on {meta['device']}{card}; torch {meta['torch']}, cuDNN {meta['cudnn']}; "
           f"{len(configs)} configs x {len(impls)} implementations; timer: {timer_name}", flush=True)
 
     torch.manual_seed(0)
