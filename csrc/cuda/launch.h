@@ -109,7 +109,7 @@ static_assert(sm90_static_grid(22, 2816, 132, 3, 1) == 131, "L4k: 22 query block
 static_assert(sm90_static_grid(43, 2752, 132, 3, 2) == 132, "L8k: 131 CTAs would give one 22 tiles");
 static_assert(sm90_static_grid(8, 2048, 132, 2, 2) == 128, "D128 L1k: every tile full, 16 rounds on 128 CTAs");
 static_assert(sm90_static_grid(8, 1024, 132, 2, 2) == 128, "D256 L1k: 8 rounds on 128 CTAs");
-static_assert(sm90_static_grid(8, 1000, 132, 2, 2) == 128, "8 rounds: the fewest within 1/32 of the SMs (125 take 8 too)");
+static_assert(sm90_static_grid(8, 1000, 132, 2, 2) == 128, "8 rounds: the fewest within 1/32 (125 take 8 too)");
 static_assert(sm90_static_grid(8, 100, 132, 2, 2) == 128, "one round");
 
 // Keys per block of the Hopper forward, by head dim, mask and L_k (measured with benchmarks/tune_fwd.py; NOTES.md,
