@@ -186,6 +186,16 @@ struct FwdTraits {
   // With kFirstOInK the next tile's second K block loads into the K stage that holds the first consumer's O, so that O
   // is released as soon as its TMA store has read it, not after the next tile's first S GEMM is issued.
   static constexpr bool kOInKLeavesAtStore = kFirstOInK;
+  // Within a tile the producer requests each block's K before the previous block's V (the tile's last V after its last
+  // K), in the same two-stage rings. K[n + 2] then waits only for S[n] (its stage's release), not behind V[n + 1], which
+  // waits for P[n - 1] V[n - 1], a GEMM later, and for its own TMA issue. At short L the K/V blocks come from DRAM (each
+  // head's are shared by only L / 128 CTAs), and a clock64 timeline of this kernel at L 1k showed every second key
+  // block waiting about 330 cycles for its K (2.9k cycles against 2.59k); with the order changed every block took
+  // 2.59k. Across tiles the order stays: the next tile's first K follows this tile's last V. Measured in one process
+  // with cuDNN, three calls on three cards (NOTES.md, (43)): +1.0 / +1.1 / +1.0 / +0.8 / +0.9% (8 rounds) at L 1k / 2k /
+  // 4k / 8k / 16k, and +1.4 / +1.8 / +1.0 / +1.3 / -1.2% and -0.2 / +2.1 / +0.3 / +1.4 / -1.5% (6 rounds). Written
+  // for the 80-key kernel without a mask (kFirstOInK) only, the one measured.
+  static constexpr bool kKAheadInTile = kFirstOInK;
   // Q in one part per consumer, each reloaded once its consumer's last S GEMM has read it (the first consumer's
   // before the last's): with kOInQ, and with kFirstOInK, where Q loads whole otherwise. Measured with
   // kOInKLeavesAtStore against neither (NOTES.md, v27; D256 without a mask): +1.2% / +1.0% / +0.8% / +0.4% / +0.1% at
@@ -225,6 +235,8 @@ struct FwdTraits {
   // stage (kFirstOInK, kLastOInV) counts K and V stages alike, and pass_blocks (skipped blocks) has not run with it.
   static_assert(!kKAheadOfV || (!kLastOInV && !kFirstOInK && !kSkipUnseenBlocks && !kSkipRowlessConsumers),
                 "K ahead of V: not with O staged in the rings or with consumers that skip key blocks");
+  static_assert(!kKAheadInTile || (!kKAheadOfV && kKStages == kStages && !kStreamKTail && !kDynamicTiles),
+                "K ahead within a tile: written for the static schedule, with K and V rings of equal length");
   static_assert((kProducerRegs + kConsumers * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -668,19 +680,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int q_loads = 0, kv_loads = 0;
-    // kKAheadOfV: a block's V load waits until the next block's K is issued (the next tile's first where this was the
-    // tile's last); its first key row, kv head and batch are held until then.
-    [[maybe_unused]] int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
-    [[maybe_unused]] const auto load_v = [&](int count, int row, int kv_head, int batch) {  // count: its K's kv_loads
-      const int stage = count % kStages;
-      const int use = count / kStages;
-      if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
-      mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
-      for (int c = 0; c < kColumnBlocks; ++c) {
-        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row, kv_head,
-                    batch);
-      }
-    };
     // kLastOInV, a bit per stage: the stage's V holds the last consumer's staged O, and the parity of its o_in_v_free.
     [[maybe_unused]] uint32_t o_in_v = 0, o_in_v_parity = 0;
     [[maybe_unused]] uint32_t o_in_k = 0, o_in_k_parity = 0;  // the same for K stages with kFirstOInK
@@ -690,6 +689,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         mbarrier_wait(&freed[stage], (parity >> stage) & 1);
         holds &= ~(1u << stage);
         parity ^= 1u << stage;
+      }
+    };
+    // kKAheadOfV: a block's V load waits until the next block's K is issued (the next tile's first where this was the
+    // tile's last); its first key row, kv head and batch are held until then. kKAheadInTile: until the tile's next K.
+    [[maybe_unused]] int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
+    [[maybe_unused]] const auto load_v = [&](int count, int row, int kv_head, int batch) {  // count: its K's kv_loads
+      const int stage = count % kStages;
+      const int use = count / kStages;
+      if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
+      if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
+      mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
+      for (int c = 0; c < kColumnBlocks; ++c) {
+        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row, kv_head,
+                    batch);
       }
     };
     int index = blockIdx.x;
@@ -759,6 +772,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
                       tile.kv_head(p), tile.batch);
         }
+        if constexpr (Traits::kKAheadInTile) {  // the V of the block before
+          if (n_block > n_begin) load_v(kv_loads - 1, row - kBlockN, tile.kv_head(p), tile.batch);
+          continue;
+        }
         if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
         if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
         mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
@@ -766,6 +783,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
                       tile.kv_head(p), tile.batch);
         }
+      }
+      if (Traits::kKAheadInTile && n_end > n_begin) {  // the tile's last V, before its stage is marked as O's
+        load_v(kv_loads - 1, tile.key_start(n_end - 1), tile.kv_head(p), tile.batch);
       }
       if (Traits::kLastOInV && n_end > n_begin) o_in_v |= 1u << ((kv_loads - 1) % kStages);  // the tile's last block
       if (Traits::kFirstOInK && n_end > n_begin) o_in_k |= 1u << ((kv_loads - 1) % kStages);
