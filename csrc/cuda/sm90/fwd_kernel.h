@@ -187,14 +187,14 @@ struct FwdTraits {
   // is released as soon as its TMA store has read it, not after the next tile's first S GEMM is issued.
   static constexpr bool kOInKLeavesAtStore = kFirstOInK;
   // Within a tile the producer requests each block's K before the previous block's V (the tile's last V after its last
-  // K), in the same two-stage rings. K[n + 2] then waits only for S[n] (its stage's release), not behind V[n + 1], which
-  // waits for P[n - 1] V[n - 1], a GEMM later, and for its own TMA issue. At short L the K/V blocks come from DRAM (each
-  // head's are shared by only L / 128 CTAs), and a clock64 timeline of this kernel at L 1k showed every second key
-  // block waiting about 330 cycles for its K (2.9k cycles against 2.59k); with the order changed every block took
-  // 2.59k. Across tiles the order stays: the next tile's first K follows this tile's last V. Measured in one process
-  // with cuDNN, three calls on three cards (NOTES.md, (43)): +1.0 / +1.1 / +1.0 / +0.8 / +0.9% (8 rounds) at L 1k / 2k /
-  // 4k / 8k / 16k, and +1.4 / +1.8 / +1.0 / +1.3 / -1.2% and -0.2 / +2.1 / +0.3 / +1.4 / -1.5% (6 rounds). Written
-  // for the 80-key kernel without a mask (kFirstOInK) only, the one measured.
+  // K), in the same two-stage rings. K[n + 2] then waits only for S[n] (its stage's release), not behind V[n + 1],
+  // which waits for P[n - 1] V[n - 1], a GEMM later, and for its own TMA issue. At short L the K/V blocks come from
+  // DRAM (each head's are shared by only L / 128 CTAs), and a clock64 timeline of this kernel at L 1k showed every
+  // second key block waiting about 330 cycles for its K (2.9k cycles against 2.59k); with the order changed every block
+  // took 2.59k. Across tiles the order stays: the next tile's first K follows this tile's last V. Measured in one
+  // process with cuDNN, three calls on three cards (NOTES.md, (43)-(44)): +1.0 / +1.1 / +1.0 / +0.8 / +0.9% (8 rounds)
+  // at L 1k / 2k / 4k / 8k / 16k, and +1.4 / +1.8 / +1.0 / +1.3 / -1.2% and -0.2 / +2.1 / +0.3 / +1.4 / -1.5% (6
+  // rounds). Written for the 80-key kernel without a mask (kFirstOInK) only, the one measured.
   static constexpr bool kKAheadInTile = kFirstOInK;
   // Q in one part per consumer, each reloaded once its consumer's last S GEMM has read it (the first consumer's
   // before the last's): with kOInQ, and with kFirstOInK, where Q loads whole otherwise. Measured with
