@@ -42,7 +42,8 @@ insert("wait_turn();\n    issue_s(smem.k_stage(k_stage_of(n_begin)));", " TL_C(j
 insert("    release_staged_o();\n    wgmma_wait<0>();", "\n    TL_C(j, 25);")
 insert("mbarrier_arrive(&smem.k_empty[k_stage_of(n_begin)]);", " TL_C(j, 4);")
 insert("pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V\n\n    for", "TL_C(j, 5);\n\n    ", before=True)
-insert("      wait_turn();\n      issue_s(smem.k_stage(stage));", " TL_C(j, 8 + n_block);")
+# S[n] issued for blocks 1-12 (events 9-20; later blocks are not stamped, events 21-25 follow).
+insert("      wait_turn();\n      issue_s(smem.k_stage(stage));", " TL_C(j, n_block <= 12 ? 8 + n_block : 32);")
 insert("issue_pv<T, Traits>(o, p_frag, smem.v_stage(last));", " TL_C(j, 6);")
 insert("    wgmma_fence_registers(o);\n    mbarrier_arrive(&smem.v_empty[last]);", " TL_C(j, 7);")
 insert("    // The warp's rows: in each 64-column", "    TL_C(j, 21);\n", before=True)
