@@ -741,13 +741,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
       // K and V of a block go into the same stage index; each waits only for its own "empty" barrier, K[n + 1] for
-      // S[n - 1], V[n] for P[n - 2] V[n - 2]. One thread issues them in order, so in the plain order K[n + 1] also waits
-      // behind V[n]. With kKAheadInTile V[n] is requested after K[n + 1] within a tile; with kKAheadOfV, K has a ring
-      // of its own a stage longer and V[n] is requested after K[n + 1] across tiles too: K[n + 1] waits for the release
-      // of K[n - 2] (its softmax), so K runs at most one block ahead of V. The plain order keeps its own copy of the V
-      // load rather than calling load_v: one load_k / load_v pair for both (TMA loops rolled) measured -1.35% at D256
-      // L1k (NOTES.md, (22)), and load_v in its place changes the SASS of six other kernels (checked in session 27, not
-      // measured).
+      // S[n - 1], V[n] for P[n - 2] V[n - 2]. One thread issues them in order, so in the plain order K[n + 1] also
+      // waits behind V[n]. With kKAheadInTile V[n] is requested after K[n + 1] within a tile; with kKAheadOfV, K has a
+      // ring of its own a stage longer and V[n] is requested after K[n + 1] across tiles too: K[n + 1] waits for the
+      // release of K[n - 2] (its softmax), so K runs at most one block ahead of V. The plain order keeps its own copy
+      // of the V load rather than calling load_v: one load_k / load_v pair for both (TMA loops rolled) measured -1.35%
+      // at D256 L1k (NOTES.md, (22)), and load_v in its place changes the SASS of six other kernels (checked in session
+      // 27, not measured).
       for (int n_block = n_begin; n_block < n_end; ++n_block, ++kv_loads) {
         if constexpr (Traits::kKAheadOfV) {
           const int stage = kv_loads % Traits::kKStages;
