@@ -16,12 +16,15 @@ needs_hopper = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def probe():
+def probe(tmp_path_factory):
     from torch.utils.cpp_extension import load
 
+    # A fresh build directory per session: in torch's shared cache a build killed midway leaves its lock file behind,
+    # and load() then waits for it forever.
     return load(
         name="flashattn_sm90_probe",
         sources=[str(ROOT / "tests" / "sm90_probe.cu")],
+        build_directory=str(tmp_path_factory.mktemp("sm90_probe")),
         extra_include_paths=[str(ROOT / "csrc")],
         extra_cuda_cflags=["-gencode=arch=compute_90a,code=sm_90a", "-std=c++17"],
     )
