@@ -458,8 +458,8 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
 
 def gpu_uuid() -> Optional[str]:
     """The card's UUID: which physical GPU a run had. Each call to the device machine may get another card, and runs
-    from different calls differed by a few percent in ours / cuDNN, card and arrangement not yet told apart (NOTES.md,
-    (41))."""
+    on different cards differed by up to a few percent in ours / cuDNN (NOTES.md, (41)-(42), where the benchmark's
+    arrangement was checked and found not to favour ours)."""
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     return None if uuid is None else str(uuid)
 
