@@ -75,6 +75,10 @@ int main(int argc, char** argv) {
   std::vector<long long> stamps(8 * 3 * 16 * 32);
   cudaMemcpyFromSymbol(stamps.data(), g_timeline, stamps.size() * sizeof(long long));
   FILE* out = fopen(argv[4], "w");
+  if (out == nullptr) {
+    perror(argv[4]);
+    return 1;
+  }
   for (size_t i = 0; i < stamps.size(); ++i) {
     fprintf(out, "%zu,%zu,%zu,%zu,%lld\n", i / (3 * 16 * 32), i / (16 * 32) % 3, i / 32 % 16, i % 32, stamps[i]);
   }
