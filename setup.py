@@ -60,7 +60,7 @@ def make_extension():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx_flags = ["-O3", "-std=c++17"]
-    sources = ["csrc/flashattn.cpp", "csrc/cpu/attention_cpu.cpp"]
+    sources = ["csrc/flashattn.cpp", "csrc/autocast.cpp", "csrc/cpu/attention_cpu.cpp"]
     if not build_cuda():
         return CppExtension(
             "flashattn_ext._C", sources, include_dirs=[str(ROOT / "csrc")], extra_compile_args={"cxx": cxx_flags}

@@ -13,7 +13,8 @@ def flash_attn_with_lse(
     q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
 ) -> Tuple[Tensor, Tensor]:
     """Like :func:`flash_attn`, but also returns ``lse`` (float32, (B, H, Lq)): the natural-log logsumexp
-    of each row of scaled scores (``-inf`` for a row that sees no key). Both outputs are differentiable."""
+    of each row of scaled scores (``-inf`` exactly for a row that sees no key; NaN for a row whose softmax is NaN).
+    Both outputs are differentiable."""
     return torch.ops.flashattn.fwd(q, k, v, causal, scale)
 
 
@@ -27,14 +28,20 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Opt
         causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq``
             (equal to SDPA's ``is_causal`` when ``Lq == Lk``). A query row that sees no key returns zeros
             (SDPA returns NaN there).
-        scale: multiplier of the scores; defaults to ``1 / sqrt(D)``.
+        scale: multiplier of the scores; defaults to ``1 / sqrt(D)``. Any finite value with
+            ``|scale| * log2(e)`` within float32 (about 2.36e38); a scale too small for a normal float32 (even 0)
+            gives the uniform softmax.
 
     Any strides with ``stride(-1) == 1`` are used as given (no copy), e.g. transposed views of a packed
     (B, L, 3, H, D) tensor. CUDA supports float16 and bfloat16 with ``D`` a multiple of 8 up to 256; CPU
-    supports float32, float64, float16 and bfloat16 with any ``D``.
+    supports float32, float64, float16 and bfloat16 with any ``D``. Under ``torch.autocast`` q, k and v are cast to
+    the autocast dtype first (float64 is left alone), as SDPA's are.
+
+    A NaN reaches every row that sees it (a NaN in a query row, or in a key the row sees, makes that row's output and
+    lse NaN); infinite scores follow softmax. A sequence's result is the same bits whatever else is in the batch.
 
     Differentiable with respect to q, k and v. The backward is deterministic (bitwise-identical gradients across
-    runs) when ``torch.use_deterministic_algorithms(True)`` is in effect.
+    runs, and across batches) when ``torch.use_deterministic_algorithms(True)`` is in effect.
 
     Returns:
         out: (B, H, Lq, D), the dtype of ``q``.

@@ -60,6 +60,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "dtypes(cpu=[...], cuda=[...]): the dtypes a (device, dtype) test runs with")
     config.addinivalue_line("markers", "large: needs FLASHATTN_TEST_LARGE=1 and tens of GiB of GPU memory")
+    config.addinivalue_line("markers", "xdist_group(name): under pytest-xdist's --dist loadgroup, one worker runs these")
     # Raised inside torch by torch.compile / opcheck, not by this project.
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 

@@ -90,6 +90,15 @@ def test_non_finite_scale(device, scale):
         fwd(*qkv(device), False, scale)
 
 
+@pytest.mark.parametrize("scale", [1e39, -3e38])
+def test_scale_beyond_float32(device, scale):
+    # Finite as a double, but scale * log2(e), which every backend works with, overflows float32.
+    with raises("flashattn.fwd: scale must be at most 2.35866e+38 in magnitude"):
+        fwd(*qkv(device), False, scale)
+    with raises("flashattn.bwd: scale must be at most 2.35866e+38 in magnitude"):
+        call_bwd(bwd_args(device), scale=scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.complex64], ids=["int32", "complex64"])
 def test_cpu_unsupported_dtype(dtype):
     q, k, v = (t.to(dtype) for t in qkv("cpu"))

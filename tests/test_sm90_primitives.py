@@ -10,6 +10,9 @@ from reference import assert_attention_close, make_qkv
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Under pytest-xdist (--dist loadgroup) every test here runs in one worker, which builds the probe once.
+pytestmark = pytest.mark.xdist_group("sm90_probe")
+
 needs_hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
 )

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -51,9 +52,14 @@ inline AttentionShape check_fwd_inputs(const at::Tensor& q, const at::Tensor& k,
   return s;
 }
 
+// Every backend works with scale * log2(e) in float32 (the kernels take exp2), so |scale| is bounded by that.
+inline constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
+
 inline double resolve_scale(std::optional<double> scale, int64_t head_dim, const char* op = "flashattn.fwd") {
   const double value = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
   TORCH_CHECK(std::isfinite(value), op, ": scale must be finite, got ", value);
+  TORCH_CHECK(std::abs(value) <= kMaxScale, op, ": scale must be at most ", kMaxScale,
+              " in magnitude (scale * log2(e) must fit in float32), got ", value);
   return value;
 }
 

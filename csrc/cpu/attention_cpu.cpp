@@ -128,8 +128,8 @@ struct FwdScratch {
 
 // One online-softmax step for one query row over `visible` keys of the current block (visible >= 1):
 // the row max grows to m_new, the old sum and accumulator are rescaled by exp(m_old - m_new), and the new
-// probabilities (written over the scores) are added. m_new is finite because at least one finite score is visible,
-// so the first visible block gives exp(-inf - m_new) = 0 for the empty history instead of a NaN.
+// probabilities (written over the scores) are added. With a finite score visible m_new is finite, so the first visible
+// block gives exp(-inf - m_new) = 0 for the empty history; non-finite scores make l NaN (see the epilogue).
 template <typename acc_t>
 void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, acc_t& l, int64_t visible,
                         int64_t d) {
@@ -183,16 +183,18 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
     }
   }
 
-  // Normalise. A row that saw no key has l == 0: it returns zeros and lse = -inf (not 0/0 = NaN).
+  // Normalise. Only a row that saw no key has l == 0 (a visible key adds exp(0) = 1 or a NaN): it returns zeros and
+  // lse = -inf. Every other row divides, so a NaN score, a +inf one (inf - inf) or only -inf ones (NaN from
+  // exp(-inf - -inf)) give NaN out and NaN lse, as softmax does.
   const auto out_mat = head_slice<scalar_t>(out, b, h);
   float* lse_row = lse.data_ptr<float>() + b * lse.stride(0) + h * lse.stride(1);
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t l = tmp.l[r];
-    const acc_t inv_l = l > 0 ? acc_t(1) / l : acc_t(0);
+    const acc_t inv_l = l != 0 ? acc_t(1) / l : acc_t(0);
     scalar_t* dst = out_mat.row(q_begin + r);
     for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(tmp.acc[r * d + x] * inv_l);
     lse_row[q_begin + r] =
-        l > 0 ? static_cast<float>(tmp.m[r] + std::log(l)) : -std::numeric_limits<float>::infinity();
+        l != 0 ? static_cast<float>(tmp.m[r] + std::log(l)) : -std::numeric_limits<float>::infinity();
   }
 }
 

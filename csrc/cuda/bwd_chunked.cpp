@@ -6,7 +6,8 @@
 //   dQ = scale * dS K,  dK = scale * dS^T Q.
 // GQA: the query heads of one kv head are stacked along the row axis, so dK/dV of that kv head come out summed over
 // its group without repeating K/V. The chunk order is fixed and nothing is accumulated atomically, so the result is
-// deterministic whenever cuBLAS is (torch.use_deterministic_algorithms(True) plus CUBLAS_WORKSPACE_CONFIG).
+// deterministic whenever cuBLAS is (torch.use_deterministic_algorithms(True) plus CUBLAS_WORKSPACE_CONFIG), and
+// batch-invariant: each batch entry runs the same GEMMs whatever the batch size.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -35,46 +36,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
     return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
   }
 
-  // Rows of one kv head: its `group` query heads one after the other, (B, Hk, group * Lq, D).
+  // One batch entry at a time, in chunks sized from its own shape: every GEMM and reduction has the same shape
+  // whatever the batch size, so a sequence's gradients are the same bits in any batch.
+  // Rows of one kv head: its `group` query heads one after the other, (Hk, group * Lq, D).
   const int64_t group = s.heads / s.heads_kv;
   const int64_t rows = group * s.len_q;
-  const auto by_kv_head = [&](const at::Tensor& t, int64_t last) {
-    return t.to(at::kFloat).contiguous().view({s.batch, s.heads_kv, rows, last});
-  };
-  const at::Tensor q_rows = by_kv_head(q, s.head_dim);
-  const at::Tensor do_rows = by_kv_head(dout, s.head_dim);
-  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);  // rowsum(dO * O), (B, H, Lq)
-  if (dlse.has_value()) delta = delta - *dlse;
-  // Rows without a visible key (lse = -inf) have P = 0; a non-finite dlse there must not make 0 * inf = NaN.
-  delta.masked_fill_(lse.isinf(), 0.0);
-  const at::Tensor delta_rows = delta.contiguous().view({s.batch, s.heads_kv, rows, 1});
-  const at::Tensor lse_rows = lse.contiguous().view({s.batch, s.heads_kv, rows, 1});
-  const at::Tensor k_t = k.to(at::kFloat).transpose(-1, -2);  // (B, Hk, D, Lk)
-  const at::Tensor v_t = v.to(at::kFloat).transpose(-1, -2);
-  const at::Tensor k_f = k.to(at::kFloat);
-  at::Tensor dq_rows = dq.view({s.batch, s.heads_kv, rows, s.head_dim});
-
-  const int64_t chunk = std::max<int64_t>(1, kMaxChunkElements / (s.batch * s.heads_kv * s.len_k));
+  const int64_t chunk = std::max<int64_t>(1, kMaxChunkElements / (s.heads_kv * s.len_k));
   const at::Tensor key_index = at::arange(s.len_k, q.options().dtype(at::kLong));
-  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
-    const int64_t r1 = std::min(rows, r0 + chunk);
-    const at::Tensor q_c = q_rows.narrow(2, r0, r1 - r0);
-    const at::Tensor do_c = do_rows.narrow(2, r0, r1 - r0);
-    const at::Tensor lse_c = lse_rows.narrow(2, r0, r1 - r0);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const auto by_kv_head = [&](const at::Tensor& t) {
+      return t[b].to(at::kFloat).contiguous().view({s.heads_kv, rows, s.head_dim});
+    };
+    const at::Tensor q_rows = by_kv_head(q);
+    const at::Tensor do_rows = by_kv_head(dout);
+    at::Tensor delta = (dout[b].to(at::kFloat) * out[b].to(at::kFloat)).sum(-1);  // rowsum(dO * O), (H, Lq)
+    if (dlse.has_value()) delta = delta - (*dlse)[b];
+    const at::Tensor lse_b = lse[b];
+    // Rows without a visible key (lse = -inf) have P = 0; a non-finite dlse there must not make 0 * inf = NaN. A NaN
+    // lse (a row with NaN or infinite scores) is kept: its gradients are NaN.
+    delta.masked_fill_(lse_b.isinf(), 0.0);
+    const at::Tensor delta_rows = delta.contiguous().view({s.heads_kv, rows, 1});
+    const at::Tensor lse_rows = lse_b.contiguous().view({s.heads_kv, rows, 1});
+    const at::Tensor k_f = k[b].to(at::kFloat);  // (Hk, Lk, D)
+    const at::Tensor k_t = k_f.transpose(-1, -2);
+    const at::Tensor v_t = v[b].to(at::kFloat).transpose(-1, -2);
+    at::Tensor dq_rows = dq[b].view({s.heads_kv, rows, s.head_dim});
+    at::Tensor dk_b = dk[b];
+    at::Tensor dv_b = dv[b];
 
-    at::Tensor p = at::matmul(q_c, k_t).mul_(softmax_scale).sub_(lse_c).exp_();  // (B, Hk, C, Lk)
-    // A row without any visible key has lse = -inf: its P row must be 0, not exp(nan).
-    at::Tensor invisible = lse_c.isinf().expand_as(p);
-    if (causal) {
-      const at::Tensor query_index = at::arange(r0, r1, key_index.options()).remainder(s.len_q).unsqueeze(1);
-      invisible = invisible.logical_or(key_index.unsqueeze(0) > query_index + (s.len_k - s.len_q));
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t r1 = std::min(rows, r0 + chunk);
+      const at::Tensor q_c = q_rows.narrow(1, r0, r1 - r0);
+      const at::Tensor do_c = do_rows.narrow(1, r0, r1 - r0);
+      const at::Tensor lse_c = lse_rows.narrow(1, r0, r1 - r0);
+
+      at::Tensor p = at::matmul(q_c, k_t).mul_(softmax_scale).sub_(lse_c).exp_();  // (Hk, C, Lk)
+      // A row without any visible key has lse = -inf: its P row must be 0, not exp(nan).
+      at::Tensor invisible = lse_c.isinf().expand_as(p);
+      if (causal) {
+        const at::Tensor query_index = at::arange(r0, r1, key_index.options()).remainder(s.len_q).unsqueeze(1);
+        invisible = invisible.logical_or(key_index.unsqueeze(0) > query_index + (s.len_k - s.len_q));
+      }
+      p.masked_fill_(invisible, 0.0);
+
+      dv_b.add_(at::matmul(p.transpose(-1, -2), do_c));
+      at::Tensor ds = at::matmul(do_c, v_t).sub_(delta_rows.narrow(1, r0, r1 - r0)).mul_(p);  // dS = P (dP - D)
+      dq_rows.narrow(1, r0, r1 - r0).copy_(at::matmul(ds, k_f).mul_(softmax_scale));
+      dk_b.add_(at::matmul(ds.transpose(-1, -2), q_c).mul_(softmax_scale));
     }
-    p.masked_fill_(invisible, 0.0);
-
-    dv.add_(at::matmul(p.transpose(-1, -2), do_c));
-    at::Tensor ds = at::matmul(do_c, v_t).sub_(delta_rows.narrow(2, r0, r1 - r0)).mul_(p);  // dS = P (dP - D)
-    dq_rows.narrow(2, r0, r1 - r0).copy_(at::matmul(ds, k_f).mul_(softmax_scale));
-    dk.add_(at::matmul(ds.transpose(-1, -2), q_c).mul_(softmax_scale));
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }

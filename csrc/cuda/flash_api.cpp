@@ -77,9 +77,13 @@ void set_shape_and_scale(Params& p, const AttentionShape& s, double scale) {
   p.head_dim = static_cast<int>(s.head_dim);
   p.heads_per_kv = static_cast<int>(s.heads / s.heads_kv);
   p.scale = static_cast<float>(scale);
-  // The forward needs scale_log2 != 0 (masked scores are -inf, and -inf * 0 is NaN). For scale == 0 the
-  // smallest normal float gives the same uniform softmax: every scaled score rounds to 0.
-  p.scale_log2 = scale == 0.0 ? std::numeric_limits<float>::min() : static_cast<float>(scale * M_LOG2E);
+  // The kernels need a normal scale_log2: masked scores are -inf, -inf * 0 is NaN, and --use_fast_math flushes float
+  // denormals to 0. A smaller |scale| (0, 1e-40, 1e-300) gives the same uniform softmax as the smallest normal float
+  // of its sign: every scaled score rounds to 0.
+  const double scale_log2 = scale * M_LOG2E;
+  p.scale_log2 = std::abs(scale_log2) < std::numeric_limits<float>::min()
+                     ? static_cast<float>(std::copysign(std::numeric_limits<float>::min(), scale_log2))
+                     : static_cast<float>(scale_log2);
 }
 
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -136,6 +140,21 @@ std::string fwd_schedule_override() {
   TORCH_CHECK(value == "auto" || value == "counter" || value == "whole-tiles" || value == "stream-k",
               "FLASHATTN_FWD_SCHEDULE must be auto, counter, whole-tiles or stream-k, got '", value, "'");
   return value;
+}
+
+// Batch invariance: a sequence's out and lse are the same bits whatever else is in the batch. The one schedule that
+// would break it is the D128 Hopper forward's stream-K split of its last round of tiles (sized by the total tile
+// count), so by default the forward runs whole tiles. FLASHATTN_BATCH_INVARIANT=0 allows the split (1-2% faster on
+// long rows without a mask), except under torch.use_deterministic_algorithms(True), which always implies invariance.
+bool batch_invariant_fwd() {
+  static const bool opted_out = [] {
+    const char* env = std::getenv("FLASHATTN_BATCH_INVARIANT");
+    if (env == nullptr || *env == '\0') return false;
+    TORCH_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0,
+                "FLASHATTN_BATCH_INVARIANT must be 0 or 1, got '", env, "'");
+    return std::strcmp(env, "0") == 0;
+  }();
+  return !opted_out || at::globalContext().deterministicAlgorithms();
 }
 
 // The causal Hopper forward takes the static zigzag schedule where it is balanced (launch.h): returns its grid, or
@@ -227,12 +246,17 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
       params.tile_counter = tile_counter.data_ptr<int>();
     }
   }
-  // Without a mask the D128 kernel splits its last tiles over keys where the tiles are long enough (launch.h:
+  // Without a mask the D128 kernel can split its last tiles over keys where the tiles are long enough (launch.h:
   // sm90_fwd_stream_k, kSm90StreamKMinBlocks; fwd_kernel.h: kStreamKTail): a workspace of 9.2 MB on 132 SMs, its
-  // flags zeroed per call. FLASHATTN_FWD_SCHEDULE is read only where it applies, so no other path rejects it.
+  // flags zeroed per call. It does so only where batch invariance is given up (batch_invariant_fwd) or the split is
+  // forced, never under deterministic algorithms. FLASHATTN_FWD_SCHEDULE is read only where it applies, so no other
+  // path rejects it.
   const int kernel_head_dim = sm90_kernel_head_dim(bucket);
-  const std::string schedule =
+  std::string schedule =
       use_sm90 && sm90_fwd_stream_k(kernel_head_dim, causal) ? fwd_schedule_override() : "whole-tiles";
+  if ((schedule == "auto" && batch_invariant_fwd()) || at::globalContext().deterministicAlgorithms()) {
+    schedule = "whole-tiles";
+  }
   if (schedule != "whole-tiles") {
     const int num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
     const int64_t num_tiles = (s.len_q + kSm90StreamKBlockM - 1) / kSm90StreamKBlockM * s.heads * s.batch;

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "cuda/params.h"
+#include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile_io.h"
 
@@ -284,7 +285,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 
   // Epilogue: finish the row sums, normalise, write lse; stage O in this warp's own rows of sQ (only this warp
   // ever read them) and store it with 16-byte writes.
-  constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -292,16 +292,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       float sum = row_sum[mt][half];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row without keys: out = 0
+      const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
+      const bool sees_keys = row_sees_keys<kCausal>(row, causal_shift);
+      const float inv = sees_keys ? 1.f / sum : 0.f;  // a row without keys: out = 0
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         acc_o[mt][dt][2 * half] *= inv;
         acc_o[mt][dt][2 * half + 1] *= inv;
       }
-      const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
-      if (lane % 4 == 0 && row < p.len_q) {
-        lse_base[row] = sum > 0.f ? (row_max[mt][half] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
-      }
+      if (lane % 4 == 0 && row < p.len_q) lse_base[row] = row_lse(sees_keys, row_max[mt][half] * scale_log2, sum);
     }
   }
   __syncwarp();

@@ -45,6 +45,7 @@
 
 #include "cuda/launch.h"  // sm90_causal_block_m, sm90_static_grid
 #include "cuda/params.h"
+#include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"  // pack2, fast_exp2
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
@@ -1084,7 +1085,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     // The rows' sums and lse while the last P V runs (it changes only O). A tile split between two CTAs (stream-K)
     // has them again after the merge, which only then knows the rows' totals and which CTA stores them.
-    constexpr float kLn2 = 0.6931471805599453f;
     float* const lse_base = tile.lse(p);
     float inv[2];
     const auto row_totals = [&](bool store_lse) {
@@ -1093,10 +1093,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         float sum = softmax.row_sum[h];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        inv[h] = sum > 0.f ? 1.f / sum : 0.f;
         const int row = tile.m_start + row_in_block0 + 8 * h;
+        const bool sees_keys = row_sees_keys<kCausal>(row, causal_shift);
+        inv[h] = sees_keys ? 1.f / sum : 0.f;  // a row without keys: out = 0
         if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
-          lse_base[row] = sum > 0.f ? (softmax.row_max[h] * scale_log2 + __log2f(sum)) * kLn2 : -INFINITY;
+          lse_base[row] = row_lse(sees_keys, softmax.row_max[h] * scale_log2, sum);
         }
       }
     };
