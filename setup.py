@@ -59,11 +59,17 @@ def build_cuda():
 def make_extension():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
+    # The stable ABI (py_limited_api, as pytorch/extension-cpp builds; torch defines Py_LIMITED_API for 3.10): the
+    # library uses no Python API beyond creating an empty module, so one build loads on every CPython >= 3.10.
     cxx_flags = ["-O3", "-std=c++17"]
     sources = ["csrc/flashattn.cpp", "csrc/autocast.cpp", "csrc/cpu/attention_cpu.cpp"]
     if not build_cuda():
         return CppExtension(
-            "flashattn_ext._C", sources, include_dirs=[str(ROOT / "csrc")], extra_compile_args={"cxx": cxx_flags}
+            "flashattn_ext._C",
+            sources,
+            include_dirs=[str(ROOT / "csrc")],
+            extra_compile_args={"cxx": cxx_flags},
+            py_limited_api=True,
         )
 
     dims = headdims()
@@ -104,6 +110,7 @@ def make_extension():
         sources,
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": cxx_flags + host_defines, "nvcc": nvcc_flags},
+        py_limited_api=True,
     )
 
 
@@ -116,6 +123,7 @@ def main():
         packages=find_packages(include=["flashattn_ext", "flashattn_ext.*"]),
         ext_modules=[make_extension()],
         cmdclass={"build_ext": BuildExtension},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
     )
 
 
