@@ -9,6 +9,7 @@ Environment variables (all optional):
   FLASHATTN_PTXAS_VERBOSE "1" prints ptxas register/spill reports for every kernel.
   MAX_JOBS               parallel compile jobs (ninja).
 """
+import json
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
-ALL_HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# Which head dims each CUDA kernel is built for: the one table, which generate_instantiations.py also reads.
+KERNEL_TABLE = json.loads((ROOT / "csrc" / "cuda" / "kernels.json").read_text())
+ALL_HEADDIMS = tuple(KERNEL_TABLE["buckets"])
 
 
 def read_version():
@@ -75,9 +78,9 @@ def make_extension():
     dims = headdims()
     archs = cuda_archs()
     with_sm90 = "90a" in archs  # the Hopper kernels need sm_90a's wgmma/setmaxnreg
-    # One generated file per (kernel, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py. The Hopper
-    # kernels exist for head dims 64, 128 and 256; each bucket runs in the smallest that holds it (launch.h).
-    sm90_dims = {64 if d <= 64 else 128 if d <= 128 else 256 for d in dims}
+    # One generated file per (kernel, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py. Each bucket
+    # runs in the smallest Hopper kernel head dim that holds it (kernels.json).
+    sm90_dims = {min(h for h in KERNEL_TABLE["fwd_sm90"] if h >= d) for d in dims}
     for path in sorted((ROOT / "csrc/cuda/instantiations").glob("*.cu")):
         m = re.search(r"_hdim(\d+)_", path.name)
         if not m:

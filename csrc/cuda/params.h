@@ -6,6 +6,26 @@
 
 namespace flashattn {
 
+// How a forward call runs, decided once on the host (cuda/fwd_plan.h) before anything is allocated or launched.
+enum class FwdKernel : int { kSm80, kSm90 };
+// The Hopper forward's tile schedules as the host runs them (tile_scheduler.h).
+enum class FwdSchedule : int {
+  kStride,   // whole tiles at a fixed stride
+  kStreamK,  // the same, the last sk_tiles tiles split over keys between neighbouring CTAs (not batch-invariant)
+  kCounter,  // causal: tiles from a zeroed counter, longest first
+  kZigzag,   // causal: static zigzag rounds
+};
+struct FwdPlan {
+  FwdKernel kernel;
+  int head_dim;                     // the kernel's head dim: the bucket (sm80), 64, 128 or 256 (sm90)
+  int consumers, block_m, block_n;  // sm90: the tile shape (sm90/tile_size.h)
+  FwdSchedule schedule;             // sm90
+  int grid;                         // sm90: persistent CTAs
+  int sk_tiles;                     // kStreamK: how many of the last tiles are split
+  int64_t workspace_bytes;          // kCounter: the counter; kStreamK: the flags, then the partials
+  int64_t zeroed_bytes;             // the leading part of the workspace zeroed before the launch
+};
+
 struct FwdParams {
   // Inputs (B, H or Hk, L, D) with stride(-1) == 1; strides are in elements.
   const void* __restrict__ q;
@@ -27,20 +47,16 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): the kernels work in exp2
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
 
-  // Hopper forward under a causal mask, where tiles differ in length: the persistent CTAs take their next tile
-  // from tile_counter (a zeroed int32) where it is set, else they walk static zigzag rounds on zigzag_grid CTAs
-  // (launch.h: sm90_causal_zigzag_grid; 0 means one per SM). flash_api.cpp chooses; other kernels ignore both.
+  // The Hopper forward's schedule state (tile_scheduler.h), set up by flash_api.cpp as the plan asks: tile_counter,
+  // a zeroed int32 from which the causal kernels take their tiles (null: zigzag rounds); sk_flags, 2 * grid * 8 int32
+  // zeroed per call (a lock and a "ready" flag per CTA boundary, consumer and warp of a stream-K split), and
+  // sk_partial, grid * 8 * 32 * (D / 2 + 4) floats (a warp's unnormalised O, row bases in log2 units and row sums).
+  // Other kernels ignore them.
   int* tile_counter;
-  int zigzag_grid;
-
-  // Hopper forward without a mask (the D128 kernel): the last sk_tiles tiles are split over keys between neighbouring
-  // CTAs (launch.h: sm90_stream_k_tiles; 0: none). sk_flags: 2 * num_sms * 8 int32, zeroed per call (a lock, then a
-  // "ready" flag per CTA boundary, consumer and warp); sk_partial: num_sms * 8 * 32 * (D / 2 + 4) floats (a warp's
-  // unnormalised O, row bases in log2 units and row sums). flash_api.cpp allocates them; other kernels ignore all
-  // three.
-  int sk_tiles;
   int* sk_flags;
   float* sk_partial;
+
+  FwdPlan plan;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).

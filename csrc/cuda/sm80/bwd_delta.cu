@@ -3,7 +3,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "cuda/launch.h"
+#include "cuda/launchers.h"
 
 namespace flashattn::sm80 {
 namespace {

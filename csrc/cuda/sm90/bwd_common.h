@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "cuda/params.h"
-#include "cuda/sm80/ptx.h"  // pack2
+#include "cuda/ptx_common.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/wgmma_ops.h"
 
@@ -25,7 +25,7 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
       const int row = 16 * warp + lane / 4 + 8 * h;  // columns 8 j + 2 (lane % 4): chunk j % 8 of sub-tile j / 8
       T* const sub_tile = tile + (j / 8) * 64 * 64;
       *reinterpret_cast<uint32_t*>(sub_tile + row * 64 + (((j % 8) ^ (row % 8)) * 8) + 2 * (lane % 4)) =
-          sm80::pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
   }
 }
@@ -90,8 +90,8 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
       const int col = column0 + 8 * j + 2 * (lane % 4);
       if (col < p.head_dim) {
         *reinterpret_cast<uint32_t*>(dk_row + col) =
-            sm80::pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dv_row + col) = sm80::pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+            pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
       }
     }
   }

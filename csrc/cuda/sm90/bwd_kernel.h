@@ -1,6 +1,5 @@
-// Hopper backward, version 1 (issue 3): warp-specialised, TMA + wgmma, head dims 64 and 128 (256: see
-// bwd_split_kernel.h). FLASHATTN_BWD_SM90=0 selects the sm80 kernel (csrc/cuda/sm80/bwd_kernel.h; same params, same
-// preprocessing and dQ conversion in flash_api.cpp), =strict raises instead of falling back to it.
+// Hopper backward: warp-specialised, TMA + wgmma, head dims 64 and 128 (256: bwd_split_kernel.h). It shares the
+// params, the preprocessing (delta) and the dQ conversion in flash_api.cpp with the sm80 kernel (sm80/bwd_kernel.h).
 //
 // CTA = one block of kBlockN = 128 keys of one (batch, kv head); 3 warpgroups. Warpgroup 0 is the producer: one
 // thread loads K and V once and then, for every query head of the kv head's group and every query block that sees
@@ -16,10 +15,9 @@
 //
 // dQ of a step is 64x64 tiles: two (kBlockM = 64 queries x D = 128, or 128 queries x D = 64), one per warpgroup.
 // Each goes registers -> swizzled shared memory -> one TMA reduce-add into the fp32 dq_accum: one reduction per
-// element and CTA, in bulk. Per-thread fp32 atomics (version 0: one per element and warpgroup) held the kernel at
-// 240 TFLOP/s at D128; without them it ran at 455 (benchmarks/NOTES.md). lse and delta of the next step are loaded
-// from global memory a step ahead, out of the critical path. dK (times scale) and dV are complete in registers at
-// the end: one writer per element, no atomics.
+// element and CTA, in bulk, where per-thread fp32 atomics held the kernel at about half its speed. lse and delta of
+// the next step are loaded from global memory a step ahead, out of the critical path. dK (times scale) and dV are
+// complete in registers at the end: one writer per element, no atomics.
 #pragma once
 
 #include <cuda.h>
@@ -29,9 +27,10 @@
 #include <type_traits>
 
 #include "cuda/params.h"
-#include "cuda/sm80/ptx.h"  // pack2, fast_exp2
+#include "cuda/ptx_common.h"
 #include "cuda/sm90/bwd_common.h"
 #include "cuda/sm90/bwd_split_kernel.h"
+#include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
@@ -176,8 +175,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int dq_query_block = consumer % Traits::kQueryBlocks;
   const int dq_column_block = consumer / Traits::kQueryBlocks;
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
-  constexpr int kConsumersBarrier = 1;            // 256 threads: both dS^T tiles of the step are in shared memory
-  const int dq_barrier = 2 + consumer;            // 128 threads: this warpgroup's dQ tile is in shared memory
+  const int dq_barrier = BwdBarrier::dq_stored(consumer);  // 128 threads: this warpgroup's dQ tile is in shared memory
 
   // lse (log2 domain) and delta of a step's rows (RowStats), staged per warpgroup in shared memory (both warpgroups
   // stage the same values, each its own copy, so that neither waits for the other): at kBlockM = 128 thread t
@@ -235,7 +233,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int query = m_start + col;
         const bool masked =
             needs_mask && (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift));
-        const float x = sm80::fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
+        const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
         s[4 * j + i] = masked ? 0.f : x;
       }
     }
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // reduction has read this warpgroup's dQ tile, so that after the barrier it may be overwritten.
     if (step + 1 < num_steps) store_stats(buffer ^ 1);
     if (thread == 0) bulk_wait_group_read<0>();
-    named_barrier_sync(kConsumersBarrier, 256);
+    named_barrier_sync(BwdBarrier::kDsStored, 256);
 
     // dQ tile = dS[query block] K[:, column block] over the CTA's 128 keys: A = the two dS^T tiles read M-major
     // (k16 steps over keys), B = K rows read transposed.

@@ -1,6 +1,6 @@
-// Hopper backward for head dim 256 (issue 3; version log in benchmarks/NOTES.md), selected with the
-// Hopper backward (FLASHATTN_BWD_SM90, see bwd_kernel.h). At D = 256 one warpgroup cannot hold dK and dV of 64 keys
-// (256 registers per thread), so the two consumer warpgroups split the work by role and by half of the head dim:
+// Hopper backward for head dim 256 (the kernel for 64 and 128 is bwd_kernel.h's). At D = 256 one warpgroup cannot
+// hold dK and dV of 64 keys (256 registers per thread), so the two consumer warpgroups split the work by role and by
+// half of the head dim:
 //
 //     warpgroup 1: S^T = K Q^T (64 keys x 64 queries, all 256 columns), P^T -> shared memory (bf16/fp16)
 //     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T passed in fp32 -> shared memory
@@ -21,8 +21,9 @@
 #include <type_traits>
 
 #include "cuda/params.h"
-#include "cuda/sm80/ptx.h"  // pack2, fast_exp2
+#include "cuda/ptx_common.h"
 #include "cuda/sm90/bwd_common.h"
+#include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
@@ -144,7 +145,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int lane = thread % 32;
   const int key0 = n_start + 16 * warp + lane / 4;  // + 8 for the thread's second row
   const int column0 = kHalf * consumer;
-  constexpr int kStepBarrier = 1, kPReadyBarrier = 2, kDsReadyBarrier = 3;  // 256 threads each
 
   float dk[kHalf / 2], dv[kHalf / 2];
 #pragma unroll
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
       if (step + 1 < num_steps) load_stats(step + 1);
     }
-    named_barrier_sync(kStepBarrier, 256);
+    named_barrier_sync(BwdSplitBarrier::kStepStart, 256);
 
     float acc[kBlockM / 2];  // consumer 0: S^T then P^T; consumer 1: dP^T then dS^T
     if (consumer == 0) {
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           const int query = m_start + col;
           const bool masked = needs_mask && (query >= p.len_q || key >= p.len_k ||
                                              (kCausal && key > query + causal_shift));
-          const float x = sm80::fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
+          const float x = fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
           acc[4 * j + i] = masked ? 0.f : x;
         }
       }
@@ -203,13 +203,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
       fence_proxy_async_smem();
-      named_barrier_arrive(kPReadyBarrier, 256);
+      named_barrier_arrive(BwdSplitBarrier::kPReady, 256);
     } else {
       mbarrier_wait(&smem.do_full[stage], parity);
       issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
-      named_barrier_sync(kPReadyBarrier, 256);
+      named_barrier_sync(BwdSplitBarrier::kPReady, 256);
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       store_swizzled_tile<T, kBlockM>(smem.ds, acc, warp, lane);
       fence_proxy_async_smem();
     }
-    named_barrier_sync(kDsReadyBarrier, 256);
+    named_barrier_sync(BwdSplitBarrier::kDsReady, 256);
 
     // Both: dV and dK for this warpgroup's half of the columns, then dQ for the same half.
     mbarrier_wait(&smem.q_full[stage], parity);  // a completed phase: returns at once for the side that waited

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks for the forward kernel of issue 4: wgmma synchronisation and shared-memory
+// Hopper (sm_90a) building blocks of the forward and backward kernels: wgmma synchronisation and shared-memory
 // descriptors, mbarriers, TMA tile loads, register reallocation and named barriers. Each wrapper is one PTX
 // instruction; the wgmma instructions themselves are in the generated wgmma_ops.h.
 // Checked on the GPU, one piece at a time, by tests/test_sm90_primitives.py before any kernel relies on it.
@@ -9,11 +9,9 @@
 
 #include <cstdint>
 
-namespace flashattn::sm90 {
+#include "cuda/ptx_common.h"  // smem_addr
 
-__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
+namespace flashattn::sm90 {
 
 // ---- wgmma ordering -------------------------------------------------------------------------------------------
 

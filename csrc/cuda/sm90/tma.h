@@ -59,8 +59,8 @@ struct BhldStrides {
 // A 4-D map over a (B, H, L, D) tensor of 16-bit elements with element strides (batch, head, row) and a box of
 // `box_rows` rows x 64 columns (128 bytes: the widest inner box the 128-byte swizzle allows). Coordinates are
 // (column, row, head, batch); loads outside rows 0 .. L - 1 or past D are zero-filled, stores past L or D are
-// skipped, and a store at a negative row faults (NOTES.md v16). Returns false if the driver rejects it (alignment:
-// base and strides must be multiples of 16 bytes).
+// skipped, and a store at a negative row faults (a CUDA error on the H200). Returns false if the driver rejects it
+// (alignment: base and strides must be multiples of 16 bytes).
 inline bool make_bhld_map(CUtensorMap* map, const void* base, bool is_bf16, int64_t batch, int64_t heads,
                           int64_t len, int64_t head_dim, int64_t batch_stride, int64_t head_stride,
                           int64_t row_stride, uint32_t box_rows) {
@@ -100,6 +100,22 @@ bool make_qkv_maps(const Params& p, bool is_bf16, uint32_t q_box_rows, uint32_t 
                        p.k_head_stride, p.k_row_stride, kv_box_rows) &&
          make_bhld_map(v_map, p.v, is_bf16, p.batch, p.heads_kv, p.len_k, p.head_dim, p.v_batch_stride,
                        p.v_head_stride, p.v_row_stride, kv_box_rows);
+}
+
+// Whether TMA can describe q, k and v of `p` (a FwdParams or BwdParams) as they are: the driver encodes a map of each
+// (alignment, strides below 2^40 bytes, ...). The plan asks before it picks a Hopper kernel.
+template <typename Params>
+bool tma_can_map(const Params& p, bool is_bf16) {
+  CUtensorMap q_map, k_map, v_map;
+  return make_qkv_maps(p, is_bf16, 64, 64, &q_map, &k_map, &v_map);
+}
+
+// The same for the backward's q, k, v and dout (a BwdParams).
+template <typename Params>
+bool tma_can_map_bwd(const Params& p, bool is_bf16) {
+  CUtensorMap do_map;
+  return tma_can_map(p, is_bf16) && make_bhld_map(&do_map, p.dout, is_bf16, p.batch, p.heads, p.len_q, p.head_dim,
+                                                   p.do_batch_stride, p.do_head_stride, p.do_row_stride, 64);
 }
 
 // A 4-D map over the backward's fp32 dQ accumulator (B, H, Lq, D), contiguous, for TMA reductions: boxes of

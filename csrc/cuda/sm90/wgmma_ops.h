@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "cuda/sm80/ptx.h"  // pack2
+#include "cuda/ptx_common.h"
 
 namespace flashattn::sm90 {
 
@@ -23,7 +23,7 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[kCols / 16][4], const float
 #pragma unroll
   for (int kk = 0; kk < kCols / 16; ++kk) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[kk][i] = sm80::pack2<T>(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
+    for (int i = 0; i < 4; ++i) a[kk][i] = pack2<T>(acc[8 * kk + 2 * i], acc[8 * kk + 2 * i + 1]);
   }
 }
 

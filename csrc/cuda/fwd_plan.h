@@ -1,0 +1,92 @@
+// The plan of a forward call on CUDA, decided once before anything is allocated or launched: the kernel, its tile
+// shape, the schedule, the grid and the workspace. FwdParams::plan carries it to the launchers and the kernels, which
+// follow it and decide nothing again.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/kernel_table.h"
+#include "cuda/params.h"
+#include "cuda/sm90/tile_scheduler.h"
+#include "cuda/sm90/tile_size.h"
+#include "cuda/switches.h"
+
+namespace flashattn {
+
+// What the device and the build offer the call.
+struct FwdDevice {
+  bool sm90;           // a Hopper GPU, and the Hopper kernels built (sm_90a in FLASHATTN_CUDA_ARCHS)
+  bool tma_maps_q_kv;  // TMA can describe q, k and v as they are (sm90/tma.h: tma_can_map)
+  int num_sms;
+};
+
+// Whether the call asks for the Hopper kernel (on a Hopper GPU, the bucket covered, the switch not off), whatever the
+// inputs' strides: in strict mode flash_api raises where the plan then could not take it.
+inline bool fwd_wants_sm90(int bucket, const FwdDevice& device, const Switches& sw) {
+  return device.sm90 && sw.fwd_sm90 != Sm90Use::kOff && sm90_fwd_covers(bucket);
+}
+
+// `p` holds the call's shapes (its plan is ignored); `deterministic`: torch.use_deterministic_algorithms is on.
+inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw,
+                        bool deterministic) {
+  FwdPlan plan{};
+  plan.kernel = FwdKernel::kSm80;
+  plan.head_dim = bucket;
+  if (!fwd_wants_sm90(bucket, device, sw) || !device.tma_maps_q_kv) return plan;
+
+  plan.kernel = FwdKernel::kSm90;
+  plan.head_dim = sm90_kernel_head_dim(bucket);
+  const sm90::FwdTileShape shape = sm90::fwd_tile_shape(plan.head_dim, p.causal, p.len_q, p.len_k);
+  plan.consumers = shape.consumers;
+  plan.block_m = shape.block_m;
+  plan.block_n = shape.block_n;
+  const int64_t num_m_blocks = (p.len_q + plan.block_m - 1) / plan.block_m;
+  const int64_t num_tiles = num_m_blocks * p.heads * p.batch;
+  const int64_t num_n_blocks = (p.len_k + plan.block_n - 1) / plan.block_n;
+
+  switch (sm90::fwd_tile_order(plan.head_dim, p.causal)) {
+    case sm90::TileOrder::kDynamic: {
+      const int zigzag = sw.fwd_schedule == FwdScheduleChoice::kCounter
+                             ? 0
+                             : sm90::causal_zigzag_grid(num_m_blocks, num_tiles, device.num_sms);
+      plan.schedule = zigzag > 0 ? FwdSchedule::kZigzag : FwdSchedule::kCounter;
+      plan.grid = zigzag > 0 ? zigzag : device.num_sms;
+      if (zigzag == 0) plan.workspace_bytes = plan.zeroed_bytes = sizeof(int);
+      break;
+    }
+    case sm90::TileOrder::kStrideThenStreamK: {
+      // The split depends on the batch: only where invariance is given up or the split forced, never deterministic.
+      const bool forced = sw.fwd_schedule == FwdScheduleChoice::kStreamK;
+      const bool allowed = forced || (sw.fwd_schedule == FwdScheduleChoice::kAuto && !sw.batch_invariant);
+      if (allowed && !deterministic) {
+        plan.sk_tiles = static_cast<int>(sm90::stream_k_tiles(num_tiles, device.num_sms, num_n_blocks,
+                                                               forced ? 1 : sm90::kStreamKMinBlocks));
+      }
+      if (plan.sk_tiles > 0) {
+        plan.schedule = FwdSchedule::kStreamK;
+        plan.grid = device.num_sms;
+        const int64_t slots = static_cast<int64_t>(device.num_sms) * sm90::kStreamKSlotsPerCta;
+        plan.zeroed_bytes = 2 * slots * static_cast<int64_t>(sizeof(int));
+        const int64_t partial_bytes =
+            slots * sm90::stream_k_partial_floats(plan.head_dim) * static_cast<int64_t>(sizeof(float));
+        plan.workspace_bytes = plan.zeroed_bytes + partial_bytes;
+        break;
+      }
+      [[fallthrough]];
+    }
+    case sm90::TileOrder::kStride: {
+      // The consumers that compute in a head's last tile (all of them but where a consumer without rows skips).
+      const int64_t last_tile_rows = p.len_q - (num_m_blocks - 1) * plan.block_m;
+      const int short_tile_consumers =
+          plan.consumers == 3 ? static_cast<int>((last_tile_rows + 63) / 64) : plan.consumers;
+      plan.schedule = FwdSchedule::kStride;
+      plan.grid = sm90::static_grid(num_m_blocks, num_tiles, device.num_sms, plan.consumers, short_tile_consumers);
+      break;
+    }
+  }
+  plan.grid = static_cast<int>(std::min<int64_t>(num_tiles, plan.grid));
+  return plan;
+}
+
+}  // namespace flashattn

@@ -1,0 +1,31 @@
+// Declarations of the kernel launchers. Each templated (dtype, head dim, causal) launcher is instantiated in its own
+// generated file under csrc/cuda/instantiations/ (generate_instantiations.py), so that the build compiles them in
+// parallel. Each launches on the given stream, never synchronises, and returns the first CUDA error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/params.h"
+
+namespace flashattn {
+
+namespace sm80 {
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
+
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
+
+cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);
+}  // namespace sm80
+
+namespace sm90 {
+// As params.plan says (fwd_plan.h); cudaErrorNotSupported where the driver refuses a tensor map or the shared memory.
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
+
+template <typename T, int HeadDim, bool kCausal>
+cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+}  // namespace sm90
+
+}  // namespace flashattn

@@ -1,0 +1,245 @@
+// The Hopper forward's epilogue, per consumer warpgroup: the rows' sums and lse, the merge of a stream-K tile's two
+// parts, and O: normalised, written by each warp into a swizzled staging buffer with stmatrix and stored with TMA (one
+// store of the warp's 16 rows where D is a multiple of 64). Where O is staged (Traits::kOStaging): a buffer of the
+// consumer's own, or the first consumer's one buffer / the K stage of its tile's last block / its own rows of Q and
+// the last consumer's V stage of that block. A warp's staged rows are released (o_free, o_in_v_free, o_in_k_free) once
+// the store has read them, which it waits for after issuing the next tile's first S GEMM (the first consumer's Q rows
+// and K stage at once: the next Q or the next tile's second K loads into them).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "cuda/params.h"
+#include "cuda/ptx_common.h"
+#include "cuda/row_epilogue.h"
+#include "cuda/sm90/fwd_mainloop.h"
+#include "cuda/sm90/fwd_traits.h"
+#include "cuda/sm90/ptx.h"
+#include "cuda/sm90/softmax.h"
+#include "cuda/sm90/tile_scheduler.h"
+
+namespace flashattn::sm90 {
+
+// A warp's 16 rows of a tile split between two CTAs (stream-K): its part of O (unnormalised), row maxima and row sums
+// in registers; `first_part`: it holds the tile's first key blocks. The warp that gets here first (a lock per
+// boundary, consumer and warp) leaves them in `partial` and returns false; the other waits for them (the first is
+// already writing: no wait on a CTA that may not be running), merges them into its own and returns true, and then
+// stores the tile's rows as usual. The merge adds the parts in key order whichever CTA does it, so the result does
+// not depend on which finished first.
+template <int kHeadDim>
+__device__ bool merge_split_tile(float (&o)[kHeadDim / 2], float (&row_max)[2], float (&row_sum)[2],
+                                 float scale_log2, bool first_part, int* lock, int* ready, float* partial, int lane) {
+  constexpr int kSums = kHeadDim / 2;  // partial: o[i] at [i][lane], then the 2 row bases and 2 row sums
+  int first = 0;
+  if (lane == 0) first = atomicCAS(lock, 0, 1) == 0;
+  first = __shfl_sync(0xffffffff, first, 0);
+  float base[2];  // log2 units: the reference each part's O and sums are relative to (RowSoftmax)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) base[h] = softmax_base_log2(row_max[h], scale_log2);
+  if (first) {
+#pragma unroll
+    for (int i = 0; i < kSums; ++i) __stcg(partial + i * 32 + lane, o[i]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      __stcg(partial + (kSums + h) * 32 + lane, base[h]);
+      __stcg(partial + (kSums + 2 + h) * 32 + lane, row_sum[h]);
+    }
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) {  // the flag after every lane's part (fence and flag in one thread: a release)
+      __threadfence();
+      atomicExch(ready, 1);
+    }
+    return false;
+  }
+  if (lane == 0) {
+    while (*static_cast<volatile int*>(ready) == 0) __nanosleep(64);
+    __threadfence();
+  }
+  __syncwarp();
+  // first * first_scale + second * second_scale, each part rescaled to the larger of the two bases.
+  const auto add_in_key_order = [&](float own, float other, float own_scale, float other_scale) {
+    return first_part ? fmaf(own, own_scale, other * other_scale) : fmaf(other, other_scale, own * own_scale);
+  };
+  float own_scale[2], other_scale[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float other_base = __ldcg(partial + (kSums + h) * 32 + lane);
+    const float top = fmaxf(base[h], other_base);
+    own_scale[h] = exp2f(base[h] - top);
+    other_scale[h] = exp2f(other_base - top);
+    row_sum[h] = add_in_key_order(row_sum[h], __ldcg(partial + (kSums + 2 + h) * 32 + lane), own_scale[h],
+                                  other_scale[h]);
+    row_max[h] = scale_log2 > 0.f ? top / scale_log2 : 0.f;  // the epilogue's lse takes row_max * scale_log2
+  }
+#pragma unroll
+  for (int i = 0; i < kSums; ++i) {
+    const int h = (i / 2) % 2;  // the accumulator's row (rescale_o)
+    o[i] = add_in_key_order(o[i], __ldcg(partial + i * 32 + lane), own_scale[h], other_scale[h]);
+  }
+  return true;
+}
+
+template <typename T, typename Traits, bool kCausal>
+struct FwdEpilogue {
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  using TileT = Tile<Traits, kCausal>;
+
+  const SharedStorage<T, Traits>& smem;
+  const CUtensorMap& o_map;
+  const FwdParams& p;
+  const int consumer, warp, lane;
+  // This consumer's staging buffer: the V stage of its tile's last key block (the last consumer, where O is staged in
+  // V), that block's K stage (the first consumer, O in K), its Q rows (the first, O in Q) or a buffer.
+  const bool my_o_in_v, my_o_in_k;
+  const int o_buffer;
+  int o_stores = 0;     // tiles whose O this consumer has staged in its buffer
+  int o_release = 0;    // the barrier that frees the warp's staged rows: o_free[o_release] (o_in_v_free and
+                        // o_in_k_free follow o_free)
+  bool o_staged = false;  // staged rows not yet released
+
+  __device__ FwdEpilogue(const SharedStorage<T, Traits>& storage, const CUtensorMap& map, const FwdParams& params,
+                         int consumer_index, int warp_index, int lane_index)
+      : smem(storage), o_map(map), p(params), consumer(consumer_index), warp(warp_index), lane(lane_index),
+        my_o_in_v(Traits::kLastOInV && consumer_index == Traits::kConsumers - 1),
+        my_o_in_k(Traits::kFirstOInK && consumer_index == 0), o_buffer(Traits::kOBuffers == 1 ? 0 : consumer_index) {}
+
+  // The warp's staged O rows are released once the TMA stores have read them.
+  __device__ void release_staged_o() {
+    if constexpr (Traits::kOBuffers > 0 || Traits::kLastOInV) {
+      if (o_staged && lane == 0) {
+        bulk_wait_group_read<0>();
+        mbarrier_arrive(&smem.o_free[Traits::kLastOInV ? o_release : 4 * o_buffer + warp]);
+      }
+      o_staged = false;
+    }
+  }
+
+  // A tile no row of which sees a key: out = 0, lse = -inf (every consumer thread takes its share).
+  __device__ void store_keyless(const TileT& tile) {
+    T* const o_base = tile.template out<T>(p);
+    float* const lse_base = tile.lse(p);
+    const int m_end = tile.m_end(p);
+    const int pairs_per_row = p.head_dim / 2;
+    const int thread = threadIdx.x - 128;
+    constexpr int kConsumerThreads = Traits::kConsumers * 128;
+    const int m_first = tile.m_first();
+    for (int i = thread; i < (m_end - m_first) * pairs_per_row; i += kConsumerThreads) {
+      const int row = m_first + i / pairs_per_row;
+      *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
+    }
+    for (int row = m_first + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
+    release_staged_o();
+  }
+
+  // The rows' totals: inv (1 / sum, 0 for a row without keys) and, with store_lse, their lse. Taken while the last P V
+  // runs (it changes only O); a stream-K tile has them again after the merge.
+  __device__ void row_totals(const RowSoftmax<Traits::kBlockN>& softmax, const TileT& tile, int row_in_block0,
+                             int causal_shift, float scale_log2, bool store_lse, float (&inv)[2]) const {
+    float* const lse_base = tile.lse(p);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = softmax.row_sum[h];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const int row = tile.m_start + row_in_block0 + 8 * h;
+      const bool sees_keys = row_sees_keys<kCausal>(row, causal_shift);
+      inv[h] = sees_keys ? 1.f / sum : 0.f;  // a row without keys: out = 0
+      if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
+        lse_base[row] = row_lse(sees_keys, softmax.row_max[h] * scale_log2, sum);
+      }
+    }
+  }
+
+  // A stream-K tile: one warp of the two holding these rows hands its part to the other. Returns whether this one
+  // stores the rows (the merged O, softmax's references and sums updated).
+  __device__ bool merge_split(float (&o)[kHeadDim / 2], RowSoftmax<Traits::kBlockN>& softmax, const FwdWork& work,
+                              float scale_log2) const {
+    const int boundary = static_cast<int>(blockIdx.x) - (work.n_begin > 0 ? 1 : 0);  // the CTA with blocks 0 ..
+    const int slot = stream_k_slot(boundary, consumer, warp);
+    const int slots = static_cast<int>(gridDim.x) * kStreamKSlotsPerCta;
+    float* const partial = p.sk_partial + slot * stream_k_partial_floats(kHeadDim);
+    return merge_split_tile<kHeadDim>(o, softmax.row_max, softmax.row_sum, scale_log2, work.n_begin == 0,
+                                      p.sk_flags + slot, p.sk_flags + slots + slot, partial, lane);
+  }
+
+  // Each warp writes its 16 rows of O, normalised, into its staging buffer with stmatrix, in the 128-byte swizzle the
+  // tensor map reads, and its lane 0 stores them with TMA. store_o false: only the buffer's bookkeeping (the other CTA
+  // stores this stream-K tile).
+  template <typename Mainloop>
+  __device__ void store(const float (&o)[kHeadDim / 2], const float (&inv)[2], const TileT& tile,
+                        const ConsumerTile& done, const Mainloop& mainloop, bool store_o) {
+    const int sub_tile = Traits::kFirstOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
+    T* staging = smem.q_stage(done.q_stage) + consumer * 64 * 64;
+    if (my_o_in_k) {
+      // The K stage of the tile's last block (kv_loads counts it last), once every consumer's S GEMM has read it.
+      const int tile_last = (mainloop.kv_loads - 1) % kStages;
+      mbarrier_wait(&smem.k_empty[tile_last], mainloop.parity_of(done.n_begin - 1));
+      staging = smem.k_stage(tile_last);
+      o_release = 4 * Traits::kOBuffers + (Traits::kLastOInV ? kStages : 0) + tile_last;
+    } else if (my_o_in_v) {
+      // Every consumer's last P V has read this V stage (the producer reloads it only after o_in_v_free). kv_loads
+      // already counts the tile's blocks, hence the shift by n_end - n_begin; spelt this way because other
+      // spellings of the same parity made ptxas serialise the wgmmas at D128 (C7511).
+      mbarrier_wait(&smem.v_empty[done.last], mainloop.parity_of(done.my_n_end - 1 + done.n_begin - done.n_end));
+      staging = smem.v_stage(done.last);
+      o_release = 4 * Traits::kOBuffers + done.last;
+    } else if (!Traits::kFirstOInQ) {
+      // The previous use of this warp's rows released (a fresh barrier's phase before its first counts as done).
+      mbarrier_wait(&smem.o_free[4 * o_buffer + warp], (o_stores & 1) ^ 1);
+      ++o_stores;
+      staging = smem.o_buffer(o_buffer);
+      o_release = 4 * o_buffer + warp;
+    }
+    // The warp's rows: in each 64-column sub-tile, or (one store) its own 16 rows of every 64-column block in turn.
+    const bool one_store = Traits::o_one_store(p.head_dim);
+    T* const warp_rows = staging + warp * 16 * (one_store ? kHeadDim : 64);
+    const int block_stride = one_store ? 16 * 64 : sub_tile;
+    const int matrix = lane / 8;                  // lanes 8m .. 8m + 7 address matrix m's rows
+    const int row = lane % 8 + 8 * (matrix % 2);  // matrices: rows 0-7, 8-15 of chunk j, then j + 1
+    if (store_o) {
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; j += 2) {  // 8-column chunks j and j + 1
+        const int chunk = j + matrix / 2;
+        T* const dst = warp_rows + (chunk / 8) * block_stride + sw128_offset(row, chunk % 8);
+        stmatrix_x4(dst, pack2<T>(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                    pack2<T>(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                    pack2<T>(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                    pack2<T>(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+      }
+      fence_proxy_async_smem();  // the TMA (async proxy) reads what the threads wrote
+    }
+    __syncwarp();
+    if (lane == 0) {
+      const int first_row = tile.m_start + 64 * consumer + 16 * warp;
+      // No TMA store before row 0 (tiles that end at L_q).
+      if (store_o && first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {
+        if (one_store) {
+          tma_store_5d(&o_map, warp_rows, 0, first_row, 0, tile.head, tile.batch);
+        } else {
+#pragma unroll
+          for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+            if (64 * c < p.head_dim) {
+              tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
+            }
+          }
+        }
+      }
+      bulk_commit_group();
+      if (Traits::kFirstOInQ && !my_o_in_v) {
+        bulk_wait_group_read<0>();  // Q's rows may be loaded again
+        mbarrier_arrive(&smem.q_empty[done.q_barrier]);
+      }
+      if (my_o_in_k) {
+        bulk_wait_group_read<0>();  // the K stage may be loaded again
+        mbarrier_arrive(&smem.o_free[o_release]);
+      }
+    }
+    // Released by release_staged_o.
+    o_staged = (!Traits::kFirstOInQ || my_o_in_v) && !my_o_in_k;
+  }
+};
+
+}  // namespace flashattn::sm90

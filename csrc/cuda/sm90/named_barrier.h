@@ -1,0 +1,33 @@
+// Every named-barrier id of the Hopper kernels (bar.sync / bar.arrive ids 1-15; 0 is __syncthreads).
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace flashattn::sm90 {
+
+// Forward, with kConsumers consumer warpgroups.
+template <int kConsumers>
+struct FwdBarrier {
+  // Consumer c's turn to issue its GEMMs (the ping-pong between consumers): 256 threads, this consumer's and the
+  // previous one's.
+  __host__ __device__ static constexpr int turn(int consumer) { return 1 + consumer; }
+  // Consumer c's warpgroup-wide vote on its exponentials (128 threads).
+  __host__ __device__ static constexpr int vote(int consumer) { return 1 + kConsumers + consumer; }
+  static_assert(1 + 2 * kConsumers <= 16, "barrier ids run out at 15");
+};
+
+// Backward (bwd_kernel.h), two consumer warpgroups.
+struct BwdBarrier {
+  static constexpr int kDsStored = 1;  // both consumers' dS^T tiles are in shared memory (256 threads)
+  // Consumer c's dQ tile is in shared memory, or (step 0) its first statistics are (128 threads).
+  __host__ __device__ static constexpr int dq_stored(int consumer) { return 2 + consumer; }
+};
+
+// Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work.
+struct BwdSplitBarrier {
+  static constexpr int kStepStart = 1;    // a step's statistics are staged (256 threads)
+  static constexpr int kPReady = 2;       // P^T is in shared memory
+  static constexpr int kDsReady = 3;      // dS^T is in shared memory
+};
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,124 @@
+// Online softmax of the Hopper forward over one block of scores held in wgmma accumulator layout: each thread owns two
+// rows (h = 0, 1: rows r and r + 8 of its warp's 16), whose columns live in a 4-lane quad.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "cuda/ptx_common.h"
+
+namespace flashattn::sm90 {
+
+// With ExpPolicy::kLazyRescale the max a row's exponentials are taken against (its reference) moves only when the
+// block's max exceeds it by more than this (log2 units), so the exponentials stay below 2^8 (far from overflow in fp32
+// sums and in 16-bit P) and O is rescaled only on blocks where some row moved.
+inline constexpr float kLazyRescaleLog2 = 8.f;
+// With ExpPolicy::kOptimistic a block's exponentials against the unmoved reference stand while each row's sum over
+// the thread's columns stays below this (2^14): every exponential then fits in fp16 (65504) as well as bf16 and fp32.
+inline constexpr float kOptimisticSumLimit = 16384.f;
+
+// The exponentials' base in log2 units for a row whose reference max is `reference`: 0 for a row that has seen no key
+// (-inf), so its exponentials stay 0 rather than NaN.
+__device__ __forceinline__ float softmax_base_log2(float reference, float scale_log2) {
+  return reference == -INFINITY ? 0.f : reference * scale_log2;
+}
+
+template <int kBlockN>
+struct RowSoftmax {
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  // Masks a block of scores (mask.h gives last_col: the last key column row h may see, relative to the block and this
+  // lane's first column; needs_mask false skips the comparisons) and, with a negative scale, negates them, so that the
+  // maxima below are maxima of scale * score.
+  __device__ __forceinline__ static void mask(float (&s)[kBlockN / 2], bool negate, bool needs_mask,
+                                              const int (&last_col)[2]) {
+    if (needs_mask || negate) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& x = s[4 * j + 2 * h + c];
+            if (negate) x = -x;
+            if (needs_mask && 8 * j + c > last_col[h]) x = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+
+  // Row h's entries of s become exp2(s * scale_log2 - base); returns their sum.
+  __device__ __forceinline__ static float exp_row(float (&s)[kBlockN / 2], int h, float scale_log2, float base) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float& x = s[4 * j + 2 * h + c];
+        x = fast_exp2(fmaf(x, scale_log2, -base));
+        sum += x;
+      }
+    }
+    return sum;
+  }
+
+  // ExpPolicy::kOptimistic: s becomes exp2(s * scale_log2 - reference) with the references unmoved, and block_sum the
+  // rows' sums over this thread's columns. Returns whether they can stand: every row below the bound (NaN passes, as
+  // it would through the max) and no row without a reference (-inf) saw a key. The caller votes over the warpgroup,
+  // then either adds block_sum (accept) or recomputes S (s is spent) and takes update<false>.
+  __device__ __forceinline__ bool exp_against_reference(float (&s)[kBlockN / 2], float scale_log2, bool negate,
+                                                        bool needs_mask, const int (&last_col)[2],
+                                                        float (&block_sum)[2]) const {
+    mask(s, negate, needs_mask, last_col);
+    bool fits = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      block_sum[h] = exp_row(s, h, scale_log2, softmax_base_log2(row_max[h], scale_log2));
+      // Bitwise, not short-circuit: no branches in the key loop.
+      fits &= !(block_sum[h] >= kOptimisticSumLimit) & (block_sum[h] == 0.f | row_max[h] != -INFINITY);
+    }
+    return fits;
+  }
+
+  // s becomes exp2(s * scale_log2 - the rows' new reference), the running max and sum are updated, and rescale gets
+  // the factor the old O rows must be multiplied by. kLazy: the reference moves only past kLazyRescaleLog2; returns
+  // whether one of the thread's rows moved.
+  template <bool kLazy>
+  __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
+                                         const int (&last_col)[2], float (&rescale)[2]) {
+    bool moved = false;
+    mask(s, negate, needs_mask, last_col);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = row_max[h];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) block_max = fmaxf(block_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+      // From -inf any finite max moves it; -inf to -inf (a row with no key yet) does not (NaN compares false).
+      const bool move = !kLazy || (block_max - row_max[h]) * scale_log2 > kLazyRescaleLog2;
+      const float reference = move ? block_max : row_max[h];
+      const float base = softmax_base_log2(reference, scale_log2);
+      rescale[h] = move ? fast_exp2(row_max[h] * scale_log2 - base) : 1.f;
+      row_max[h] = reference;
+      moved |= move;
+      row_sum[h] = row_sum[h] * rescale[h] + exp_row(s, h, scale_log2, base);
+    }
+    return moved;
+  }
+};
+
+// The thread's O rows (accumulator layout, kHeadDim columns) times their rescale factors.
+template <int kHeadDim>
+__device__ __forceinline__ void rescale_o(float (&o)[kHeadDim / 2], const float (&rescale)[2]) {
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[4 * j + i] *= rescale[i / 2];
+  }
+}
+
+}  // namespace flashattn::sm90

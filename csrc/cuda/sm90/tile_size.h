@@ -1,0 +1,47 @@
+// The Hopper forward's tile shape and tile order for a call: decided here once, read by the host plan (which picks the
+// kernel variant and sizes the schedule) and by the kernels' traits. Host and device code alike.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn::sm90 {
+
+// The order in which a persistent CTA takes its tiles (tile_scheduler.h).
+enum class TileOrder {
+  kStride,             // tiles c, c + grid, ... (no mask: every tile costs the same)
+  kStrideThenStreamK,  // the same, then the last tiles' key blocks shared out over the CTAs where the host asks
+  kDynamic,            // causal: tile indices from a counter or zigzag rounds, passed on by the producer
+};
+
+// Causal tiles differ in length: dynamic order, longest first. Without a mask the D128 kernel may split its last round
+// over keys (stream-K); at D256 the split's state spills registers, and D64's grid spreads its short tiles instead.
+constexpr TileOrder fwd_tile_order(int kernel_head_dim, bool causal) {
+  return causal ? TileOrder::kDynamic : kernel_head_dim == 128 ? TileOrder::kStrideThenStreamK : TileOrder::kStride;
+}
+
+struct FwdTileShape {
+  int consumers;  // consumer warpgroups of 64 query rows each
+  int block_m;    // query rows per tile: 64 * consumers
+  int block_n;    // keys per block
+};
+
+// D256 takes 64-key blocks (with an O staging buffer) up to this many keys, 80-key blocks (two stages still beside Q,
+// O staged in the rings) above: the shorter blocks win at short L_k, where a tile has few of them.
+constexpr int64_t d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
+
+// Three consumers at D64 where the GEMMs per key block are short next to the softmax (under a causal mask only once
+// rows and keys reach 1024: shorter causal tiles leave the third idle); two at D128 and D256, whose O fills the
+// registers. 128-key blocks up to D128.
+constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t len_q, int64_t len_k) {
+  const int consumers = kernel_head_dim == 64 && (!causal || (len_q >= 1024 && len_k >= 1024)) ? 3 : 2;
+  const int block_n = kernel_head_dim <= 128 ? 128 : len_k <= d256_short_max_keys(causal) ? 64 : 80;
+  return {consumers, 64 * consumers, block_n};
+}
+
+static_assert(fwd_tile_shape(64, false, 100, 100).consumers == 3, "D64 without a mask: three consumers");
+static_assert(fwd_tile_shape(64, true, 1024, 1024).block_m == 192, "long causal D64: three consumers");
+static_assert(fwd_tile_shape(64, true, 1023, 4096).block_m == 128, "short causal D64: two");
+static_assert(fwd_tile_shape(256, false, 4096, 512).block_n == 64 && fwd_tile_shape(256, false, 1, 513).block_n == 80,
+              "D256 without a mask: 64-key blocks up to 512 keys");
+
+}  // namespace flashattn::sm90
