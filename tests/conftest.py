@@ -60,7 +60,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "dtypes(cpu=[...], cuda=[...]): the dtypes a (device, dtype) test runs with")
     config.addinivalue_line("markers", "large: needs FLASHATTN_TEST_LARGE=1 and tens of GiB of GPU memory")
-    config.addinivalue_line("markers", "xdist_group(name): under pytest-xdist's --dist loadgroup, one worker runs these")
+    config.addinivalue_line("markers", "xdist_group(name): under pytest-xdist --dist loadgroup, one worker runs these")
     # Raised inside torch by torch.compile / opcheck, not by this project.
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -80,3 +80,14 @@ def seed(request):
     value = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture
+def deterministic_algorithms(monkeypatch):
+    """torch.use_deterministic_algorithms(True) for one test (cuBLAS needs CUBLAS_WORKSPACE_CONFIG for it)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

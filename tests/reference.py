@@ -285,6 +285,29 @@ def make_qkv(
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def fwd_and_check(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
+    """flashattn.fwd of q, k, v checked with assert_attention_close; returns (out, lse)."""
+    out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)
+    assert_attention_close(out, lse, q, k, v, causal, scale)
+    return out, lse
+
+
+def steer_scores(q, k, profile, scale):
+    """q and k (fp32) whose scores follow `profile` (per key, in log2 units of the softmax, i.e. after the scale) in
+    the even query rows and half of it in the odd ones, over small noise: query column 0 is 1 or 0.5 on a 0.1-scaled
+    rest, key column 0 the profile. Modifies k in place; returns (q, k)."""
+    q = 0.1 * q
+    q[..., 0::2, 0] = 1.0
+    q[..., 1::2, 0] = 0.5
+    k[..., 0] = profile / (scale * math.log2(math.e))
+    return q, k
+
+
+def leaves(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Fresh autograd leaves with the same values and strides (so the op sees strided views as they are)."""
+    return tuple(t.detach().requires_grad_() for t in tensors)
+
+
 def sample_inputs(device, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     """Small (args, kwargs) samples of flashattn.fwd for opcheck and torch.compile tests."""
 

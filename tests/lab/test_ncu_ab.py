@@ -1,6 +1,5 @@
-"""benchmarks/ncu_ab.py on the CPU: its parsing of Nsight Compute's CSV and the ncu command it builds (the profiling
+"""benchmarks/lab/ncu_ab.py on the CPU: its parsing of Nsight Compute's CSV and the ncu command it builds (the profiling
 itself needs a GPU)."""
-import sys
 import types
 from pathlib import Path
 

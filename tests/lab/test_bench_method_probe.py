@@ -1,4 +1,4 @@
-"""benchmarks/bench_method_probe.py on the CPU: its arguments and its windows of per-call times (the probe itself
+"""benchmarks/lab/bench_method_probe.py on the CPU: its arguments and its windows of per-call times (the probe itself
 needs a GPU)."""
 import argparse
 

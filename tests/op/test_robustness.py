@@ -10,16 +10,14 @@ strict switches of .ci/gpu-check the Hopper and the sm80 ones; the fused and the
   any batch.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import flashattn_ext
-from reference import assert_attention_close, attention_ref, make_qkv, visible_mask
-from test_bwd import deterministic_algorithms, leaves  # noqa: F401  (a fixture)
-from test_fwd import STREAM_K_MIN_BLOCKS, fwd_with_schedule, stream_k_tiles
+from cases import STREAM_K_MIN_BLOCKS, stream_k_tiles
+from isolated import run_isolated
+from reference import assert_attention_close, attention_ref, leaves, make_qkv, visible_mask
 
 fwd = torch.ops.flashattn.fwd
 bwd = torch.ops.flashattn.bwd
@@ -224,8 +222,8 @@ def test_autocast_compiles(device):
 # ---- batch invariance ---------------------------------------------------------------------------------------------
 
 # D128 without a mask at L 2048 with 8 heads: 128 tiles of 128 rows per sequence, 16 key blocks each, so on a 132-SM
-# Hopper a batch of 5 or 16 leaves a last round that the stream-K split would share out over the CTAs (launch.h:
-# sm90_stream_k_tiles), each batch size differently.
+# Hopper a batch of 5 or 16 leaves a last round that the stream-K split would share out over the CTAs (tile_scheduler.h:
+# stream_k_tiles), each batch size differently.
 INVARIANCE = dict(heads=8, len_q=2048, len_k=2048, head_dim=128)
 
 
@@ -258,7 +256,7 @@ def with_sequence_last(device, dtype, batch, seed, shape):
 
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_fwd_batch_invariant(monkeypatch, device, dtype, causal):
+def test_fwd_batch_invariant(device, dtype, causal):
     # One sequence alone, last in a batch of 5 and last in a batch of 16 (the others differ each time): the same bits.
     shape = INVARIANCE if device == "cuda" else dict(heads=2, len_q=100, len_k=130, head_dim=64)
     alone = fwd(*with_sequence_last(device, dtype, 1, 0, shape), causal)
@@ -267,39 +265,34 @@ def test_fwd_batch_invariant(monkeypatch, device, dtype, causal):
         out, lse = fwd(q, k, v, causal)
         assert torch.equal(out[-1:], alone[0]) and torch.equal(lse[-1:], alone[1]), f"batch of {batch}"
         if not causal and stream_k_would_split(batch, device):
-            # The test can fail: the batch-dependent split (forced here) does change that sequence's bits.
-            split_out, _, _ = fwd_with_schedule(monkeypatch, "stream-k", q, k, v, False)
+            # The test can fail: the batch-dependent split (forced, in a process of its own) does change that
+            # sequence's bits.
+            [(split_out, _, _)] = run_isolated({"FLASHATTN_FWD_SCHEDULE": "stream-k"}, "kernels.schedule_runs",
+                                               "forward_each", [(q, k, v, False, None)])
             assert not torch.equal(split_out[-1:], out[-1:])
-            monkeypatch.delenv("FLASHATTN_FWD_SCHEDULE")
+
+
+def switch_probe():
+    """Run in a process with FLASHATTN_BATCH_INVARIANT set: whether a sequence last in a batch of 16 has the bits it has
+    alone, with the default algorithms and then deterministic ones."""
+    alone = fwd(*with_sequence_last("cuda", torch.bfloat16, 1, 0, INVARIANCE))[0]
+    q, k, v = with_sequence_last("cuda", torch.bfloat16, 16, 2, INVARIANCE)
+    fast = fwd(q, k, v)[0]
+    torch.use_deterministic_algorithms(True)
+    invariant = fwd(q, k, v)[0]
+    return torch.equal(fast[-1:], alone), torch.equal(invariant[-1:], alone)
 
 
 @pytest.mark.cuda
 def test_fwd_batch_invariance_switch():
     # FLASHATTN_BATCH_INVARIANT=0 (read once, hence a fresh process) allows the faster batch-dependent split, except
-    # under torch.use_deterministic_algorithms(True); where the split applies, any value but 0 or 1 is refused.
-    script = f"""
-import torch, flashattn_ext, test_robustness as t
-shape = t.INVARIANCE
-alone = torch.ops.flashattn.fwd(*t.with_sequence_last("cuda", torch.bfloat16, 1, 0, shape))[0]
-q, k, v = t.with_sequence_last("cuda", torch.bfloat16, 16, 2, shape)
-fast = torch.ops.flashattn.fwd(q, k, v)[0]
-torch.use_deterministic_algorithms(True)
-invariant = torch.ops.flashattn.fwd(q, k, v)[0]
-print(torch.equal(fast[-1:], alone), torch.equal(invariant[-1:], alone), t.stream_k_would_split(16, "cuda"))
-"""
-    env = dict(os.environ, FLASHATTN_BATCH_INVARIANT="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    tests_dir = os.path.dirname(__file__)
-    env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    fast_equal, invariant_equal, would_split = result.stdout.split()
-    assert invariant_equal == "True"
-    assert fast_equal == ("False" if would_split == "True" else "True")
-
-    if would_split == "True":  # read only where the split applies, so no other path rejects a bad value
-        env["FLASHATTN_BATCH_INVARIANT"] = "yes"
-        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode != 0 and "FLASHATTN_BATCH_INVARIANT must be 0 or 1" in result.stderr
+    # under torch.use_deterministic_algorithms(True); any value but 0 or 1 is refused at the first call.
+    env = {"FLASHATTN_BATCH_INVARIANT": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    fast_equal, invariant_equal = run_isolated(env, "op.test_robustness", "switch_probe")
+    assert invariant_equal
+    assert fast_equal == (not stream_k_would_split(16, "cuda"))
+    with pytest.raises(RuntimeError, match="FLASHATTN_BATCH_INVARIANT must be one of 0, 1"):
+        run_isolated({"FLASHATTN_BATCH_INVARIANT": "yes"}, "op.test_robustness", "switch_probe")
 
 
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])

@@ -1,4 +1,4 @@
-"""benchmarks/ncu_stalls.py on the CPU: reading Nsight Compute's SASS source page and grouping its samples."""
+"""benchmarks/lab/ncu_stalls.py on the CPU: reading Nsight Compute's SASS source page and grouping its samples."""
 import gzip
 import sys
 

@@ -1,4 +1,4 @@
-"""benchmarks/power_probe.py on the CPU: its shape arguments and its summary of nvidia-smi's samples (the runs
+"""benchmarks/lab/power_probe.py on the CPU: its shape arguments and its summary of nvidia-smi's samples (the runs
 themselves need a GPU)."""
 import argparse
 

@@ -1,4 +1,4 @@
-"""benchmarks/sanitize.py on the CPU: which cases --head-dims keeps (the sanitizer runs need a GPU)."""
+"""benchmarks/lab/sanitize.py on the CPU: which cases --head-dims keeps (the sanitizer runs need a GPU)."""
 import pytest
 
 from scripts import load_benchmark

@@ -1,0 +1,189 @@
+"""The forward's contract on every device: flashattn.fwd against the naive reference and SDPA (reference.py has the
+accuracy rule) over lengths, head dims, GQA, strides, scales, masks and empty inputs, and the checker's own test:
+it rejects wrong attention."""
+import math
+
+import pytest
+import torch
+
+import flashattn_ext
+from cases import HEAD_DIMS, LENGTH_PAIRS
+from reference import (
+    OUT_FLOOR,
+    assert_attention_close,
+    assert_output_properties,
+    make_qkv,
+    repeat_kv,
+    visible_mask,
+)
+from reference import fwd_and_check as run_and_check
+
+fwd = torch.ops.flashattn.fwd
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("len_q,len_k", LENGTH_PAIRS, ids=[f"q{a}-k{b}" for a, b in LENGTH_PAIRS])
+def test_seq_lengths(device, dtype, causal, len_q, len_k):
+    q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, dtype, device)
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=[f"d{d}" for d in HEAD_DIMS])
+def test_head_dims(device, dtype, causal, head_dim):
+    if device == "cuda" and head_dim % 8:
+        pytest.skip("CUDA needs head dim % 8 == 0 (test_errors checks the message)")
+    q, k, v = make_qkv(1, 2, 2, 97, 129, head_dim, dtype, device)
+    run_and_check(q, k, v, causal)
+    q, k, v = make_qkv(1, 2, 2, 129, 97, head_dim, dtype, device)
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads_kv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("len_q,len_k", [(65, 65), (1, 97), (97, 63)], ids=["q65-k65", "q1-k97", "q97-k63"])
+def test_grouped_kv_heads(device, dtype, causal, heads_kv, len_q, len_k):
+    q, k, v = make_qkv(2, 4, heads_kv, len_q, len_k, 64, dtype, device)
+    run_and_check(q, k, v, causal)
+
+
+def test_gqa_head_mapping(device, dtype):
+    # Query head h must read kv head h // (H / Hk): give each kv head a constant, distinct value vector.
+    q, k, _ = make_qkv(1, 6, 3, 5, 9, 32, dtype, device)
+    v = torch.tensor([1.0, 2.0, 3.0], dtype=dtype, device=device).view(1, 3, 1, 1).expand(1, 3, 9, 32).contiguous()
+    out, _ = fwd(q, k, v)
+    expected = torch.tensor([1, 1, 2, 2, 3, 3], dtype=dtype, device=device).view(1, 6, 1, 1).expand_as(out)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("layout", ["packed_qkv", "seq_major", "padded_rows"])
+def test_strided_inputs(device, dtype, causal, layout):
+    len_k = 97 if layout == "packed_qkv" else 130
+    q, k, v = make_qkv(2, 3, 3, 97, len_k, 64, dtype, device, layout=layout)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    out, _ = run_and_check(q, k, v, causal)
+    # Same numbers as with contiguous copies of the inputs (the kernel indexes with the strides it is given).
+    out_contiguous, _ = fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal)
+    torch.testing.assert_close(out, out_contiguous)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("len_q,len_k", [(129, 129), (65, 97)], ids=["q129-k129", "q65-k97"])
+def test_peaked_softmax(device, dtype, causal, len_q, len_k):
+    # Scores with a standard deviation of ~30: nearly one-hot rows, large running-max jumps between key blocks.
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, 64, dtype, device)
+    q, k = q * 10, k * 3
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("scale", [0.25, 2.0, -0.5])
+def test_custom_scale(device, dtype, causal, scale):
+    q, k, v = make_qkv(1, 2, 2, 65, 97, 64, dtype, device)
+    out, lse = run_and_check(q, k, v, causal, scale)
+    out_default, _ = fwd(q, k, v, causal)
+    assert not torch.equal(out, out_default), "the scale argument was ignored"
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(device, dtype):
+    q, k, v = make_qkv(1, 2, 2, 33, 47, 64, dtype, device)
+    out_default, lse_default = fwd(q, k, v)
+    out_explicit, lse_explicit = fwd(q, k, v, False, 1.0 / math.sqrt(64))
+    torch.testing.assert_close(out_default, out_explicit, rtol=0, atol=0)
+    torch.testing.assert_close(lse_default, lse_explicit, rtol=0, atol=0)
+
+
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_sequence(device, dtype, causal):
+    # A few thousand keys: many key blocks per query block. One head on CPU to keep the suite fast.
+    batch, heads = (1, 1) if device == "cpu" else (2, 4)
+    q, k, v = make_qkv(batch, heads, heads, 2049, 2049, 64, dtype, device)
+    run_and_check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("len_q,len_k", [(129, 65), (40, 1)], ids=["q129-k65", "q40-k1"])
+def test_rows_without_keys(device, dtype, len_q, len_k):
+    # Causal with Lq > Lk: query i sees keys j <= i + Lk - Lq, so rows i < Lq - Lk see nothing.
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, 64, dtype, device)
+    out, lse = run_and_check(q, k, v, causal=True)
+    blind = len_q - len_k
+    assert (out[:, :, :blind] == 0).all() and (lse[:, :, :blind] == float("-inf")).all()
+    assert torch.isfinite(lse[:, :, blind:]).all() and (out[:, :, blind:].abs().sum(-1) > 0).all()
+    # The first row that sees a key sees exactly key 0: its output is v[0].
+    torch.testing.assert_close(out[:, :, blind], v[:, :, 0])
+
+
+@pytest.mark.parametrize(
+    "batch,heads,len_q", [(0, 2, 16), (2, 0, 16), (2, 2, 0)], ids=["batch0", "heads0", "len_q0"]
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_empty_inputs(device, dtype, batch, heads, len_q, causal):
+    heads_kv = heads  # heads == 0 needs Hk == 0 too (Hk must divide H)
+    q, k, v = make_qkv(batch, heads, heads_kv, len_q, 24, 64, dtype, device)
+    out, lse = fwd(q, k, v, causal)
+    assert out.shape == (batch, heads, len_q, 64) and out.dtype == dtype and out.device == q.device
+    assert lse.shape == (batch, heads, len_q) and lse.dtype == torch.float32 and lse.device == q.device
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_no_keys(device, dtype, causal):
+    q, k, v = make_qkv(2, 2, 2, 17, 0, 64, dtype, device)
+    out, lse = fwd(q, k, v, causal)
+    assert_output_properties(out, lse, q)
+    assert (out == 0).all()
+    assert (lse == float("-inf")).all()
+
+
+def test_output_properties(device, dtype):
+    q, k, v = make_qkv(2, 4, 2, 70, 90, 64, dtype, device, layout="seq_major")
+    out, lse = fwd(q, k, v, True)
+    assert_output_properties(out, lse, q)
+    assert out.stride() == (4 * 70 * 64, 70 * 64, 64, 1) and lse.stride() == (4 * 70, 70, 1)
+    assert flashattn_ext.flash_attn(q, k, v, causal=True).equal(out)
+    out2, lse2 = flashattn_ext.flash_attn_with_lse(q, k, v, causal=True)
+    assert out2.equal(out) and lse2.equal(lse)
+
+
+# ---- the accuracy rule must be able to fail --------------------------------------------------------------------
+
+
+def buggy_attention(q, k, v, causal, scale, bug):
+    """The float32 reference with one deliberate bug, out cast to the input dtype (what a broken kernel returns)."""
+    len_q, len_k, heads = q.shape[2], k.shape[2], q.shape[1]
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if bug == "scale":  # 10% off
+        scale = 1.1 * scale
+    if bug == "gqa_modulo":  # query head h reads kv head h % Hk instead of h // (H / Hk)
+        kf, vf = kf.repeat(1, heads // kf.shape[1], 1, 1), vf.repeat(1, heads // vf.shape[1], 1, 1)
+    else:
+        kf, vf = repeat_kv(kf, heads), repeat_kv(vf, heads)
+    i = torch.arange(len_q, device=q.device)[:, None]
+    j = torch.arange(len_k, device=q.device)[None, :]
+    visible = visible_mask(len_q, len_k, causal, q.device)
+    if bug == "top_left_mask":  # SDPA's is_causal alignment instead of bottom-right
+        visible = j <= i
+    if bug == "mask_off_by_one":  # the diagonal key is masked too
+        visible = j < i + (len_k - len_q)
+    scores = (qf @ kf.transpose(-2, -1) * scale).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    if bug == "lse_log2":  # base-2 logsumexp
+        lse = lse / math.log(2)
+    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vf
+    return out.to(q.dtype), lse
+
+
+@pytest.mark.dtypes(cpu=list(OUT_FLOOR), cuda=[])
+@pytest.mark.parametrize("bug", ["scale", "gqa_modulo", "top_left_mask", "mask_off_by_one", "lse_log2"])
+def test_checker_rejects_bugs(device, dtype, bug):
+    causal = bug != "gqa_modulo"
+    q, k, v = make_qkv(1, 4, 2, 65, 97, 64, dtype, device)
+    out, lse = buggy_attention(q, k, v, causal, 1 / 8, bug)
+    with pytest.raises(AssertionError, match="lse|max abs error"):
+        assert_attention_close(out, lse, q, k, v, causal, 1 / 8)
+
+
+# ---- CUDA only --------------------------------------------------------------------------------------------------
+
+
