@@ -13,13 +13,13 @@ are then timed side by side in this process: triton.testing.do_bench medians on 
 is missing), perf_counter medians on the CPU, in --rounds interleaved rounds (ours, each backend, then the same in
 reverse, ...) whose median is kept, so that the card's drift between measurements touches every implementation
 alike and what runs just before each measurement changes from round to round (under a power cap the latter moves a
-measurement; benchmarks/bench_method_probe.py). A backend that rejects a configuration shows '-'; so does the naive
+measurement; benchmarks/lab/bench_method_probe.py). A backend that rejects a configuration shows '-'; so does the naive
 path when its score matrix would exceed --naive-mem-gib.
 
 FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
 above the inputs (CUDA only) and the max abs difference between our output and SDPA's (flash backend, else math).
 
-Outputs, in --out (default benchmarks/results/): bench_sdpa_<device>.csv, .json (rows and metadata) and .png
+Outputs, in --out (default benchmarks/out/): bench_sdpa_<device>_<mode>.csv, .json (rows and metadata) and .png
 (TFLOP/s against L, one panel per dtype, head dim and causal). The table and a summary are printed last.
 
 A timed quantity is a *mode*: a function make_fn(impl, q, k, v, causal) -> (callable, flops multiplier)
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -74,7 +74,7 @@ CPU_QUICK = dict(head_dims="32", lengths="128,256", tokens=1024)
 
 # do_bench budgets per measurement. Under the H200's 700 W cap the clock swings for a few hundred milliseconds after
 # the card switches kernels (faster after a slower one, e.g. SDPA's efficient backend, then a dip): 250 ms of warm-up
-# lets most of that pass before the timed window (benchmarks/NOTES.md, (29)-(31)).
+# lets most of that pass before the timed window (benchmarks/lab/LOG.md, (29)-(31)).
 GPU_WARMUP_MS, GPU_REP_MS = 250, 100
 CPU_WARMUP_CALLS, CPU_REPS = 1, 5
 
@@ -275,7 +275,7 @@ def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: s
     """Time each implementation `rounds` times, interleaved, and keep the median: a card's speed drifts between
     measurements seconds apart, and interleaving spreads that drift over all of them. The order turns round every
     round (round_order): what runs just before a measurement moves it under a power cap (by up to 9% in a fixed order
-    on the H200; benchmarks/bench_method_probe.py). An implementation that raises (an unsupported configuration, an
+    on the H200; benchmarks/lab/bench_method_probe.py). An implementation that raises (an unsupported configuration, an
     OOM) gets an error, shown as '-'."""
     results: Dict[str, Measurement] = {}
 
@@ -458,7 +458,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
 
 def gpu_uuid() -> Optional[str]:
     """The card's UUID: which physical GPU a run had. Each call to the device machine may get another card, and runs
-    on different cards differed by up to a few percent in ours / cuDNN (NOTES.md, (41)-(42), where the benchmark's
+    on different cards differed by up to a few percent in ours / cuDNN (LOG.md, (41)-(42), where the benchmark's
     arrangement was checked and found not to favour ours)."""
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     return None if uuid is None else str(uuid)

@@ -1,0 +1,85 @@
+"""A few small forward and backward calls for compute-sanitizer (memcheck, racecheck): odd lengths, causal, GQA,
+Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
+
+Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256]
+
+--head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
+for a change to one of them: racecheck over every case takes about 150 s of device time on the H200.
+"""
+import argparse
+
+import torch
+
+import flashattn_ext
+
+CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
+    (1, 2, 2, 7, 7, 64, True),
+    (2, 4, 2, 65, 97, 128, True),
+    (1, 4, 1, 129, 63, 40, False),
+    (1, 2, 2, 1, 257, 256, True),
+    (1, 2, 2, 200, 33, 96, True),  # rows without keys
+    (2, 12, 6, 1300, 1300, 64, True),  # 264 causal tiles: two zigzag rounds per CTA on the Hopper forward
+    (2, 12, 6, 1300, 300, 128, True),  # the same with 7 of each head's 11 tiles seeing no key
+    (4, 16, 4, 1000, 300, 120, False),  # 512 tiles of 128-key blocks: an O buffer per consumer, Q in registers
+    (2, 4, 2, 300, 2300, 120, False),  # 18 key blocks, the last of 124 keys
+    (4, 8, 8, 1000, 200, 64, False),  # 192 tiles of three consumers; in each head's last, two without rows idle
+    (4, 8, 4, 1000, 1000, 256, True),  # 256 causal tiles at D256: one O buffer and the V stages
+    (1, 2, 2, 100, 8300, 256, True),  # causal D256 over more than 2048 keys: 80-key blocks, O in Q rows and V
+    (2, 8, 4, 2400, 2100, 256, True),  # 304 such tiles, two per head seeing no key
+    (2, 4, 2, 300, 500, 256, False),  # D256 up to 512 keys: 64-key blocks, O in one buffer and the V stages
+    (1, 2, 2, 30, 1100, 256, False),  # D256 over 512 keys: 80-key blocks, O in the last K and V; a consumer rowless
+    (4, 16, 4, 600, 1100, 256, False),  # 320 such tiles: two or three per CTA
+    (1, 2, 1, 2100, 2100, 64, True),  # causal D64 from 1024 queries and keys: 192-row tiles, three consumers
+    (2, 4, 2, 1030, 1030, 64, True),  # each head's first tile: consumer 0 without rows; consumers skip key blocks
+    (1, 2, 2, 1500, 2900, 64, True),  # consumers skip key blocks, keys offset by 1400 (bottom-right)
+    (2, 12, 6, 2048, 2048, 64, True),  # 264 tiles, two zigzag rounds per CTA; a head's first: consumer 0 without rows
+    (2, 16, 8, 1024, 1024, 64, True),  # 192 tiles from the counter; a head's first: consumers 0 and 1 without rows
+    (1, 2, 2, 4200, 2100, 64, True),  # 192-row tiles, some that see no key
+    (2, 12, 6, 2100, 2100, 64, True),  # 264 tiles of 192 rows: two zigzag rounds per CTA
+    (2, 12, 6, 4200, 2100, 64, True),  # 528 of them, those that see no key mixed in
+    (1, 4, 2, 1000, 1300, 64, True),  # keys offset by 300, below 1024 queries: the two-consumer causal D64 kernel
+    (2, 4, 2, 1153, 1153, 64, True),  # a head's first tile starts at row -176: only consumer 2's last O box stored
+    (1, 2, 2, 2900, 3000, 64, True),  # keys offset by 100: consumer 2's rows cross row 0 and see keys
+    (1, 2, 1, 700, 8300, 128, True),  # causal D128, keys offset by 7600 (176-key blocks here until v25)
+    (1, 40, 20, 1000, 2150, 128, False),  # 320 tiles of 13 key blocks on 132 SMs: the last 188 split (stream-K)
+    (1, 40, 20, 1000, 2000, 128, False),  # the same in the 128-key kernel (16 key blocks)
+    (8, 64, 8, 40, 600, 64, False),  # 512 tiles with rows for consumer 0 only, about four per CTA
+]
+
+
+def bucket(head_dim):
+    """The head dim of the Hopper kernels that run head_dim (kernel_table.h, sm90_kernel_head_dim: the smallest of 64,
+    128 and 256 that holds it)."""
+    return next(b for b in (64, 128, 256) if head_dim <= b)
+
+
+def select_cases(head_dims=None):
+    """CASES whose head dim runs in one of the buckets head_dims (all with None)."""
+    return [case for case in CASES if head_dims is None or bucket(case[5]) in head_dims]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", default=None,
+                        help="comma-separated buckets (64, 128, 256) whose cases run; default: every case")
+    args = parser.parse_args()
+    head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
+    if head_dims is not None and not head_dims <= {64, 128, 256}:
+        raise SystemExit(f"--head-dims: buckets are 64, 128 and 256, not {args.head_dims}")
+    calls = 0
+    for batch, heads, heads_kv, len_q, len_k, head_dim, causal in select_cases(head_dims):
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.randn(batch, heads, len_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            k = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            v = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+            out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal)
+            assert out.shape == q.shape and lse.shape == (batch, heads, len_q)
+            (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
+            assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+            calls += 2
+    torch.cuda.synchronize()
+    print(f"sanitize: {calls} forward/backward calls done")
+
+
+if __name__ == "__main__":
+    main()
