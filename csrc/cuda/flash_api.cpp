@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "api/checks.h"
@@ -18,9 +19,11 @@
 #include "cuda/fwd_plan.h"
 #include "cuda/kernel_table.h"
 #include "cuda/launchers.h"
-#include "cuda/sm90/tma.h"
 #include "cuda/static_switch.h"
 #include "cuda/switches.h"
+#ifdef FLASHATTN_WITH_SM90
+#include "cuda/sm90/tma.h"
+#endif
 
 namespace flashattn {
 namespace {
@@ -116,6 +119,22 @@ bool sm90_device(const at::Tensor& q) {
 #endif
 }
 
+// Whether TMA can describe the inputs of `p` as they are (the driver encodes their maps; sm90/tma.h): q, k, v, and for
+// the backward dout too.
+template <typename Params>
+bool tma_maps_inputs(const Params& p, bool is_bf16) {
+#ifdef FLASHATTN_WITH_SM90
+  if constexpr (std::is_same_v<Params, BwdParams>) {
+    return sm90::tma_can_map_bwd(p, is_bf16);
+  } else {
+    return sm90::tma_can_map(p, is_bf16);
+  }
+#else
+  (void)p, (void)is_bf16;
+  return false;
+#endif
+}
+
 // The one place where runtime values become template parameters: dtype x head-dim bucket x causal, then the kernel the
 // plan chose (the Hopper one in the smallest of its head dims that holds the bucket).
 cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaStream_t stream) {
@@ -165,8 +184,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   FwdDevice device{};
   device.sm90 = sm90_device(q);
-  device.tma_maps_q_kv = device.sm90 && sm90::tma_can_map(params, is_bf16);
   device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  device.tma_maps_q_kv = fwd_wants_sm90(bucket, device, sw) && tma_maps_inputs(params, is_bf16);
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw) ||
                   params.plan.kernel == FwdKernel::kSm90,
@@ -255,6 +274,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   if (sw.chunked_bwd || deterministic || !head_dim_bucket_built(bucket) || s.empty() || s.len_k == 0) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
   }
+  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
+  if (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket) {
+    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
+  }
   // Gradients can arrive as arbitrary views (e.g. a narrow of a concatenation); the fused kernels need 16-byte rows.
   const auto aligned = [](const at::Tensor& t) {
     return row_alignment_violation(t).empty() ? t : t.clone(at::MemoryFormat::Contiguous);
@@ -262,8 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const at::Tensor dout_rows = aligned(dout);
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   BwdParams params = make_bwd_inputs(dout_rows, q, k, v, s, softmax_scale);
-  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
-  const bool sm90_maps = wants_sm90 && sm90::tma_can_map_bwd(params, is_bf16);
+  const bool sm90_maps = wants_sm90 && tma_maps_inputs(params, is_bf16);
   TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90_maps,
               "flashattn.bwd: FLASHATTN_BWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k, v or dout)");

@@ -38,6 +38,7 @@ inline std::string read_switch(const char* name, std::initializer_list<const cha
     choices += choices.empty() ? value : std::string(", ") + value;
   }
   TORCH_CHECK(false, name, " must be one of ", choices, "; got '", env, "'");
+  return unset;  // not reached
 }
 
 inline Sm90Use sm90_use(const char* name) {

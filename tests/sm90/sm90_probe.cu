@@ -13,6 +13,7 @@
 //   merge_split_tile_probe: the stream-K merge of a tile split between two CTAs (fwd_epilogue.h, merge_split_tile) for
 //                one warp's rows at D128, with the part holding the tile's first key blocks taking the lock first or
 //                second: the merged result must be the same bit for bit.
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/extension.h>
 
 #include "cuda/ptx_common.h"
@@ -295,11 +296,17 @@ std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, tor
                                flashattn::Switches{}, false);
   auto workspace = torch::zeros({std::max<int64_t>(p.plan.workspace_bytes, 1)}, q.options().dtype(torch::kByte));
   char* base = static_cast<char*>(workspace.data_ptr());
-  if (p.plan.schedule == flashattn::FwdSchedule::kCounter) p.tile_counter = reinterpret_cast<int*>(base);
+  if (p.plan.schedule == flashattn::FwdSchedule::kCounter) {
+    p.tile_counter = reinterpret_cast<int*>(base);
+  } else if (p.plan.schedule == flashattn::FwdSchedule::kStreamK) {
+    p.sk_flags = reinterpret_cast<int*>(base);
+    p.sk_partial = reinterpret_cast<float*>(base + p.plan.zeroed_bytes);
+  }
   const auto run = [&](auto head_dim_tag) {
     constexpr int kHeadDim = decltype(head_dim_tag)::value;
-    return causal ? flashattn::sm90::run_fwd_sm90<T, kHeadDim, true>(p, nullptr)
-                  : flashattn::sm90::run_fwd_sm90<T, kHeadDim, false>(p, nullptr);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    return causal ? flashattn::sm90::run_fwd_sm90<T, kHeadDim, true>(p, stream)
+                  : flashattn::sm90::run_fwd_sm90<T, kHeadDim, false>(p, stream);
   };
   cudaError_t err = cudaErrorInvalidValue;
   switch (q.size(3)) {
