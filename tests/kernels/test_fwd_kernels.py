@@ -291,6 +291,7 @@ def stream_k_runs():
 
 
 @pytest.mark.cuda
+@pytest.mark.xdist_group("fwd_schedules")  # one worker computes the module's fixtures (a process per schedule) once
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", STREAM_K_CASES, ids=[f"d{c[0]}-b{c[1]}-q{c[2]}-k{c[3]}" for c in STREAM_K_CASES])
 def test_cuda_stream_k_tail(stream_k_runs, case, dtype):
@@ -343,6 +344,7 @@ def causal_runs():
 
 
 @pytest.mark.cuda
+@pytest.mark.xdist_group("fwd_schedules")
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", list(CAUSAL_CASES))
 def test_cuda_causal_schedules_agree(causal_runs, case, head_dim):
