@@ -303,6 +303,12 @@ def steer_scores(q, k, profile, scale):
     return q, k
 
 
+def op_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
+    """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd, random grads."""
+    out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)
+    return torch.randn_like(out), out, lse, torch.randn_like(lse)
+
+
 def leaves(*tensors: Tensor) -> tuple[Tensor, ...]:
     """Fresh autograd leaves with the same values and strides (so the op sees strided views as they are)."""
     return tuple(t.detach().requires_grad_() for t in tensors)

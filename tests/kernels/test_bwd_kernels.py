@@ -10,18 +10,13 @@ from reference import (
     assert_grad_properties,
     attention_grads,
     make_qkv,
+    op_inputs,
     reference_dtype,
     rows_with_keys,
 )
 
 fwd = torch.ops.flashattn.fwd
 bwd = torch.ops.flashattn.bwd
-
-
-def op_inputs(q, k, v, causal=False, scale=None):
-    """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd, random grads."""
-    out, lse = fwd(q, k, v, causal, scale)
-    return torch.randn_like(out), out, lse, torch.randn_like(lse)
 
 
 @pytest.mark.cuda

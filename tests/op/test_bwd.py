@@ -12,6 +12,7 @@ from reference import (
     attention_grads,
     leaves,
     make_qkv,
+    op_inputs,
     repeat_kv,
     visible_mask,
 )
@@ -42,12 +43,6 @@ def run_and_check(q, k, v, causal=False, scale=None, with_lse=False):
     grads, dout, dlse = flash_grads(q, k, v, causal, scale, with_lse)
     assert_grads_close(grads, q, k, v, dout, dlse, causal, scale)
     return grads
-
-
-def op_inputs(q, k, v, causal=False, scale=None):
-    """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd, random grads."""
-    out, lse = fwd(q, k, v, causal, scale)
-    return torch.randn_like(out), out, lse, torch.randn_like(lse)
 
 
 # ---- gradcheck (float64, CPU): finite differences of our forward against our backward ----------------------------
