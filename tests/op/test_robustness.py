@@ -17,7 +17,7 @@ import torch
 import flashattn_ext
 from cases import STREAM_K_MIN_BLOCKS, stream_k_tiles
 from isolated import run_isolated
-from reference import assert_attention_close, attention_ref, leaves, make_qkv, visible_mask
+from reference import assert_attention_close, attention_ref, leaves, make_qkv, rows_with_keys, visible_mask
 
 fwd = torch.ops.flashattn.fwd
 bwd = torch.ops.flashattn.bwd
@@ -158,10 +158,20 @@ def test_tiny_scale_is_uniform(device, dtype, head_dim, scale, causal):
 @pytest.mark.dtypes(cpu=[torch.float32, torch.bfloat16])  # float64's baseline (the reference's own GEMM) is exact
 @pytest.mark.parametrize("scale", [1e3, -1e3])
 def test_large_scale(device, dtype, scale):
-    # Nearly one-hot rows (scaled scores in the thousands): the kernels' exponentials stay exact relative to the max.
+    # Nearly one-hot rows (scaled scores in the thousands).
     q, k, v = make_qkv(1, 2, 2, 129, 200, 64, dtype, device)
     out, lse = fwd(q, k, v, True, scale)
-    assert_attention_close(out, lse, q, k, v, True, scale)
+    if not (device == "cuda" and dtype == torch.float16):
+        assert_attention_close(out, lse, q, k, v, True, scale)
+        return
+    # The documented limit: the CUDA kernels form each exponent as fma(s, scale*log2e, -rowmax*scale*log2e) in
+    # float32, as FlashAttention does. Here |rowmax*scale*log2e| is about 3e4 (ulp 2e-3), which moves a row's weights
+    # by up to 0.07%: more than half an fp16 ulp of out (so PyTorch's one-hot fp16 result can be nearer), less than two.
+    ref_out, ref_lse = attention_ref(q.double(), k.double(), v.double(), True, scale)
+    keyed = rows_with_keys(q.shape[2], k.shape[2], True, device)
+    err = (out.double() - ref_out)[:, :, keyed].abs().max().item()
+    assert err <= 2**-9 * ref_out[:, :, keyed].abs().max().item(), f"out: max abs error {err:.3e}"
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5)
 
 
 # ---- autocast -----------------------------------------------------------------------------------------------------
