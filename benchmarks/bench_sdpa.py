@@ -22,9 +22,11 @@ above the inputs (CUDA only) and the max abs difference between our output and S
 Outputs, in --out (default benchmarks/out/): bench_sdpa_<device>_<mode>.csv, .json (rows and metadata) and .png
 (TFLOP/s against L, one panel per dtype, head dim and causal). The table and a summary are printed last.
 
-A timed quantity is a *mode*: a function make_fn(impl, q, k, v, causal) -> (callable, flops multiplier)
-registered in MODES: "fwd" (the forward) and "fwdbwd" (forward + backward, 3.5x the forward FLOPs; its memory
-columns are then the peak memory of a training step's attention).
+A timed quantity is a *mode*: a function make_fn(impl, q, k, v, causal) -> Timed registered in MODES: "fwd" (the
+forward) and "fwdbwd" (forward + backward, 3.5x the forward FLOPs; its memory columns are then the peak memory of a
+training step's attention). fwdbwd also times the backward alone (2.5x the forward FLOPs, through a graph kept from
+one forward) and reports it in the *_bwd_* columns. --deterministic runs everything under
+torch.use_deterministic_algorithms(True) (an SDPA backend without a deterministic backward then shows '-').
 """
 from __future__ import annotations
 
@@ -141,22 +143,40 @@ def forward_callable(impl: str, q, k, v, causal: bool) -> Callable[[], torch.Ten
     return sdpa
 
 
-def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Tuple[Callable[[], object], float]:
+@dataclass
+class Timed:
+    """What a mode times for one implementation: `step` (its FLOPs `flops` times the forward's) and, where the mode
+    has one, `backward` alone (2.5x the forward's FLOPs)."""
+    step: Callable[[], object]
+    flops: float
+    backward: Optional[Callable[[], object]] = None
+
+
+BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five GEMMs of the forward's size to its two
+
+
+def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
     """Mode 'fwd': the forward alone; its FLOPs are the forward FLOPs."""
-    return forward_callable(impl, q, k, v, causal), 1.0
+    return Timed(forward_callable(impl, q, k, v, causal), 1.0)
 
 
-def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Tuple[Callable[[], object], float]:
-    """Mode 'fwdbwd': forward plus the gradients of q, k, v for a fixed random dout (a training step's attention);
-    FLOPs 2.5x the forward's for the backward, 3.5x in all."""
+def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
+    """Mode 'fwdbwd': forward plus the gradients of q, k, v for a fixed random dout (a training step's attention),
+    3.5x the forward's FLOPs; and the backward alone, through the graph of one forward kept for it."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     forward = forward_callable(impl, q, k, v, causal)
     dout = torch.randn_like(q)
+    kept = []
 
     def step():
         return torch.autograd.grad(forward(), (q, k, v), dout)
 
-    return step, 3.5
+    def backward():
+        if not kept:
+            kept.append(forward())
+        return torch.autograd.grad(kept[0], (q, k, v), dout, retain_graph=True)
+
+    return Timed(step, 1.0 + BACKWARD_FLOPS, backward)
 
 
 MODES = {"fwd": make_fwd_fn, "fwdbwd": make_fwdbwd_fn}
@@ -218,6 +238,8 @@ class Measurement:
     tflops: Optional[float] = None
     mem_mib: Optional[float] = None
     error: Optional[str] = None
+    bwd_ms: Optional[float] = None  # the backward alone, where the mode times it
+    bwd_tflops: Optional[float] = None
 
 
 @dataclass
@@ -228,16 +250,17 @@ class Row:
     diff_ref: Optional[str] = None
     diff_ok: Optional[bool] = None
 
-    def tflops(self, impl: str) -> Optional[float]:
+    def tflops(self, impl: str, part: str = "") -> Optional[float]:
+        """TFLOP/s of the mode's step, or of the backward alone with part="bwd"."""
         result = self.results.get(impl)
-        return result.tflops if result else None
+        return getattr(result, f"{part}_tflops" if part else "tflops") if result else None
 
-    def best_sdpa(self, backends: List[str]) -> Optional[str]:
-        timed = [b for b in backends if self.tflops(b) is not None]
-        return max(timed, key=self.tflops) if timed else None
+    def best_sdpa(self, backends: List[str], part: str = "") -> Optional[str]:
+        timed = [b for b in backends if self.tflops(b, part) is not None]
+        return max(timed, key=lambda b: self.tflops(b, part)) if timed else None
 
-    def ratio(self, impl: Optional[str]) -> Optional[float]:
-        ours, other = self.tflops("ours"), self.tflops(impl) if impl else None
+    def ratio(self, impl: Optional[str], part: str = "") -> Optional[float]:
+        ours, other = self.tflops("ours", part), self.tflops(impl, part) if impl else None
         return ours / other if ours is not None and other else None
 
 
@@ -287,28 +310,39 @@ def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: s
             results[impl] = Measurement(error=short_error(exc))
             return None
 
-    def prepare(impl: str):
-        fn, flops_multiplier = make_fn(impl, q, k, v, config.causal)
+    def prepare(impl: str) -> Timed:
+        timed = make_fn(impl, q, k, v, config.causal)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SDPA explains each refusal in a UserWarning; we keep the error
-            fn()  # raises here if the implementation rejects the configuration
-        return fn, flops_multiplier
+            for fn in (timed.step, timed.backward):  # raises here if the implementation rejects the configuration
+                if fn is not None:
+                    fn()
+        return timed
 
     prepared = {impl: attempt(impl, lambda: prepare(impl)) for impl in impls}
     times: Dict[str, List[float]] = {impl: [] for impl in impls}
+    bwd_times: Dict[str, List[float]] = {impl: [] for impl in impls}
     for round_index in range(rounds):
         for impl in round_order(impls, round_index):
             if impl not in results:
-                times[impl].append(attempt(impl, lambda: timer(prepared[impl][0])))
+                times[impl].append(attempt(impl, lambda: timer(prepared[impl].step)))
+            if impl not in results and prepared[impl].backward is not None:
+                bwd_times[impl].append(attempt(impl, lambda: timer(prepared[impl].backward)))
+
+    def rate(ms: float, flops: float) -> float:
+        return config.forward_flops() * flops / (ms * 1e-3) / 1e12
+
     for impl in impls:
         if impl in results:
             continue
-        fn, flops_multiplier = prepared[impl]
-        mem = attempt(impl, lambda: peak_memory_mib(fn)) if device == "cuda" else None
+        timed = prepared[impl]
+        mem = attempt(impl, lambda: peak_memory_mib(timed.step)) if device == "cuda" else None
         if impl not in results:
             ms = statistics.median(times[impl])
-            results[impl] = Measurement(ms=ms, tflops=config.forward_flops() * flops_multiplier / (ms * 1e-3) / 1e12,
-                                        mem_mib=mem)
+            results[impl] = Measurement(ms=ms, tflops=rate(ms, timed.flops), mem_mib=mem)
+            if bwd_times[impl]:
+                bwd_ms = statistics.median(bwd_times[impl])
+                results[impl].bwd_ms, results[impl].bwd_tflops = bwd_ms, rate(bwd_ms, BACKWARD_FLOPS)
     return results
 
 
@@ -410,9 +444,9 @@ def significant(value: Optional[float], digits: int = 4) -> Optional[float]:
     return None if value is None else float(format(value, f".{digits}g"))
 
 
-def row_record(row: Row, impls: List[str], backends: List[str]) -> Dict[str, object]:
+def row_record(row: Row, impls: List[str], backends: List[str], with_bwd: bool = False) -> Dict[str, object]:
     """One flat dict per row, numbers to 4 significant digits, the ratios to 5 (so that a ratio just below a bar such
-    as 1.10 does not read as 1.1): the CSV columns (the JSON adds the errors)."""
+    as 1.10 does not read as 1.1): the CSV columns (the JSON adds the errors). with_bwd adds the backward alone."""
     c = row.config
     best = row.best_sdpa(backends)
     record = dict(dtype=c.dtype, head_dim=c.head_dim, causal=c.causal, seqlen=c.seqlen, batch=c.batch,
@@ -422,11 +456,17 @@ def row_record(row: Row, impls: List[str], backends: List[str]) -> Dict[str, obj
         record[f"{impl}_ms"] = significant(result.ms)
         record[f"{impl}_tflops"] = significant(result.tflops)
         record[f"{impl}_mem_mib"] = significant(result.mem_mib)
+        if with_bwd:
+            record[f"{impl}_bwd_ms"] = significant(result.bwd_ms)
+            record[f"{impl}_bwd_tflops"] = significant(result.bwd_tflops)
     record.update(
         best_sdpa=best, ours_over_best=significant(row.ratio(best), 5),
         ours_over_flash=significant(row.ratio("flash"), 5) if "flash" in backends else None,
-        max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok,
     )
+    if with_bwd:
+        best_bwd = row.best_sdpa(backends, "bwd")
+        record.update(best_sdpa_bwd=best_bwd, ours_bwd_over_best=significant(row.ratio(best_bwd, "bwd"), 5))
+    record.update(max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok)
     return record
 
 
@@ -451,7 +491,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         flashattn_ext=getattr(flashattn_ext, "__version__", None),
         flashattn_ext_path=getattr(flashattn_ext, "__file__", None),
         git_commit=git_commit(),
-        dtypes=args.dtypes, mode=args.mode, timer=timer_name, rounds=args.rounds, naive_mem_gib=args.naive_mem_gib,
+        dtypes=args.dtypes, mode=args.mode, deterministic=args.deterministic, timer=timer_name, rounds=args.rounds, naive_mem_gib=args.naive_mem_gib,
         tokens=args.tokens, hidden=args.hidden,
     )
 
@@ -539,8 +579,10 @@ def write_plot(path: Path, rows: List[Row], impls: List[str], title: str) -> Non
 SHORT_NAMES = {"efficient": "effic"}
 
 
-def table_columns(backends: List[str], impls: List[str]) -> List[Tuple[str, Callable[[Row], str]]]:
-    """(header, cell function) per printed column; the TFLOP/s columns follow the chosen implementations."""
+def table_columns(backends: List[str], impls: List[str], with_bwd: bool = False
+                  ) -> List[Tuple[str, Callable[[Row], str]]]:
+    """(header, cell function) per printed column; the TFLOP/s columns follow the chosen implementations; with_bwd
+    adds the backward alone: ours, the fastest SDPA backend's, and their ratio."""
     columns: List[Tuple[str, Callable[[Row], str]]] = [
         ("dtype", lambda r: r.config.dtype),
         ("D", lambda r: str(r.config.head_dim)),
@@ -558,6 +600,13 @@ def table_columns(backends: List[str], impls: List[str]) -> List[Tuple[str, Call
     ]
     if "flash" in backends:
         columns.append(("/flash", lambda r: fmt(r.ratio("flash"), ".2f")))
+    if with_bwd:
+        columns += [
+            ("bwd TF", lambda r: fmt_rate(r.tflops("ours", "bwd"))),
+            ("best bwd TF", lambda r: fmt_rate(r.tflops(r.best_sdpa(backends, "bwd"), "bwd")
+                                               if r.best_sdpa(backends, "bwd") else None)),
+            ("bwd /best", lambda r: fmt(r.ratio(r.best_sdpa(backends, "bwd"), "bwd"), ".2f")),
+        ]
     columns += [
         ("MiB ours", lambda r: fmt(r.results["ours"].mem_mib, ".0f")),
         ("MiB best", lambda r: fmt(r.results[r.best_sdpa(backends)].mem_mib if r.best_sdpa(backends) else None,
@@ -567,8 +616,8 @@ def table_columns(backends: List[str], impls: List[str]) -> List[Tuple[str, Call
     return columns
 
 
-def print_table(rows: List[Row], backends: List[str], impls: List[str]) -> None:
-    columns = table_columns(backends, impls)
+def print_table(rows: List[Row], backends: List[str], impls: List[str], with_bwd: bool = False) -> None:
+    columns = table_columns(backends, impls, with_bwd)
     cells = [[cell(row) for _, cell in columns] for row in rows]
     widths = [max(len(header), *(len(line[i]) for line in cells)) for i, (header, _) in enumerate(columns)]
     print(" ".join(h.rjust(w) for (h, _), w in zip(columns, widths)))
@@ -576,7 +625,9 @@ def print_table(rows: List[Row], backends: List[str], impls: List[str]) -> None:
     for line in cells:
         print(" ".join(c.rjust(w) for c, w in zip(line, widths)))
     print("TF = TFLOP/s; best = fastest SDPA backend; /best, /flash = our TFLOP/s over theirs; "
-          "MiB = peak memory above the inputs (CUDA only); max diff = max |ours - SDPA|, '!' above tolerance.")
+          "MiB = peak memory above the inputs (CUDA only); max diff = max |ours - SDPA|, '!' above tolerance."
+          + ("\nbwd = the backward alone (2.5x the forward FLOPs), ours and the fastest SDPA backend's." if with_bwd
+             else ""))
 
 
 def print_errors(rows: List[Row]) -> None:
@@ -586,7 +637,7 @@ def print_errors(rows: List[Row]) -> None:
         print(f"ours failed at {label}: {error}")
 
 
-def print_summary(rows: List[Row], backends: List[str], min_len: int) -> None:
+def print_summary(rows: List[Row], backends: List[str], min_len: int, with_bwd: bool = False) -> None:
     print(f"\nSummary: lowest ratio of our TFLOP/s over rows with L >= {min_len}")
     groups = sorted({(r.config.dtype, r.config.head_dim, r.config.causal) for r in rows})
     for dtype, head_dim, causal in groups:
@@ -596,6 +647,8 @@ def print_summary(rows: List[Row], backends: List[str], min_len: int) -> None:
         if "flash" in backends:
             parts.append("ours/flash " + min_ratio(group, lambda r: r.ratio("flash")))
         parts.append("ours/best-SDPA " + min_ratio(group, lambda r: r.ratio(r.best_sdpa(backends))))
+        if with_bwd:
+            parts.append("bwd " + min_ratio(group, lambda r: r.ratio(r.best_sdpa(backends, "bwd"), "bwd")))
         print(f"  {dtype} D={head_dim:<3} causal={'on ' if causal else 'off'}  " + "   ".join(parts))
     flagged = [r.config.label for r in rows if r.diff_ok is False]
     print(f"Correctness: {len(flagged)} row(s) above tolerance" + (": " + "; ".join(flagged) if flagged else ""))
@@ -649,7 +702,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--summary-min-len", type=int,
                         help="smallest L counted in the summary (default 1024 on GPU, 256 on CPU)")
     parser.add_argument("--mode", choices=sorted(MODES), default="fwd",
-                        help="fwd: forward only; fwdbwd: forward + backward (3.5x forward FLOPs)")
+                        help="fwd: forward only; fwdbwd: forward + backward (3.5x forward FLOPs), and the backward "
+                             "alone (2.5x)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under torch.use_deterministic_algorithms(True); the files' names end in "
+                             "_deterministic")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -699,24 +756,30 @@ def main(argv=None) -> None:
           f"{len(configs)} configs x {len(impls)} implementations; timer: {timer_name}", flush=True)
 
     torch.manual_seed(0)
-    rows = run_grid(configs, impls, args, MODES[args.mode], timer)
+    torch.use_deterministic_algorithms(args.deterministic)
+    try:
+        rows = run_grid(configs, impls, args, MODES[args.mode], timer)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
+    with_bwd = args.mode == "fwdbwd"
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_sdpa_{args.device}_{args.mode}"
-    records = [row_record(row, impls, backends) for row in rows]
+    stem = args.out / f"bench_sdpa_{args.device}_{args.mode}{'_deterministic' if args.deterministic else ''}"
+    records = [row_record(row, impls, backends, with_bwd) for row in rows]
     write_csv(stem.with_suffix(".csv"), records)
     write_json(stem.with_suffix(".json"), meta, rows, records)
     written = [stem.with_suffix(".csv"), stem.with_suffix(".json")]
     if not args.no_plot:
-        title = f"flashattn_ext vs SDPA, {args.mode}, {meta['device']}, torch {meta['torch']}"
+        mode = args.mode + (", deterministic" if args.deterministic else "")
+        title = f"flashattn_ext vs SDPA, {mode}, {meta['device']}, torch {meta['torch']}"
         write_plot(stem.with_suffix(".png"), rows, impls, title)
         written.append(stem.with_suffix(".png"))
 
     print()
-    print_table(rows, backends, impls)
+    print_table(rows, backends, impls, with_bwd)
     print_errors(rows)
     print("wrote " + ", ".join(str(p) for p in written))
-    print_summary(rows, backends, args.summary_min_len)
+    print_summary(rows, backends, args.summary_min_len, with_bwd)
 
 
 if __name__ == "__main__":

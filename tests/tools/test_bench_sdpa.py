@@ -30,7 +30,7 @@ def test_measure_interleaves_the_rounds_and_keeps_each_median(bench):
     def make_fn(impl, q, k, v, causal):
         if impl == "rejected":
             raise RuntimeError("unsupported configuration")
-        return (lambda: impl), 2.0
+        return bench.Timed(lambda: impl, 2.0)
 
     def timer(fn):
         impl = fn()
@@ -44,6 +44,26 @@ def test_measure_interleaves_the_rounds_and_keeps_each_median(bench):
     assert results["a"].tflops == pytest.approx(config.forward_flops() * 2.0 / 2e-3 / 1e12)
     assert results["rejected"].error.startswith("RuntimeError: unsupported configuration")
     assert results["rejected"].ms is None
+
+
+def test_measure_times_the_backward_alone_after_each_step(bench):
+    # fwdbwd's backward alone is timed right after the implementation's step, in the same turned rounds, and rated at
+    # 2.5x the forward's FLOPs.
+    order = []
+
+    def make_fn(impl, q, k, v, causal):
+        return bench.Timed(lambda: impl, 3.5, lambda: impl + "-bwd")
+
+    def timer(fn):
+        order.append(fn())
+        return 4.0 if order[-1].endswith("-bwd") else 10.0
+
+    config = bench.Config("fp32", 32, True, 128, 2, 4)
+    results = bench.measure(["a", "b"], None, None, None, config, make_fn, timer, "cpu", rounds=2)
+    assert order == ["a", "a-bwd", "b", "b-bwd", "b", "b-bwd", "a", "a-bwd"]
+    assert (results["a"].ms, results["a"].bwd_ms) == (10.0, 4.0)
+    assert results["a"].tflops == pytest.approx(config.forward_flops() * 3.5 / 10e-3 / 1e12)
+    assert results["a"].bwd_tflops == pytest.approx(config.forward_flops() * 2.5 / 4e-3 / 1e12)
 
 
 def test_round_order_turns_round_every_round(bench):
@@ -61,6 +81,17 @@ def test_cpu_variant_writes_its_rows_and_rounds(bench, tmp_path):
     assert rows[0]["diff_ok"] == "True"
     meta = json.loads((tmp_path / "bench_sdpa_cpu_fwd.json").read_text())["metadata"]
     assert meta["rounds"] == 2 and meta["device_uuid"] is None  # the card's UUID is recorded on a GPU only
+
+
+def test_fwdbwd_reports_the_backward_alone_and_runs_deterministic(bench, tmp_path):
+    bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--causal", "off", "--backends", "math",
+                "--tokens", "128", "--hidden", "64", "--rounds", "1", "--no-plot", "--out", str(tmp_path),
+                "--mode", "fwdbwd", "--deterministic"])
+    rows = list(csv.DictReader((tmp_path / "bench_sdpa_cpu_fwdbwd_deterministic.csv").open()))
+    assert float(rows[0]["ours_bwd_ms"]) > 0 and float(rows[0]["math_bwd_tflops"]) > 0
+    assert rows[0]["best_sdpa_bwd"] == "math" and float(rows[0]["ours_bwd_over_best"]) > 0
+    meta = json.loads((tmp_path / "bench_sdpa_cpu_fwdbwd_deterministic.json").read_text())["metadata"]
+    assert meta["deterministic"] is True and meta["mode"] == "fwdbwd"
 
 
 def test_rounds_must_be_positive(bench):
