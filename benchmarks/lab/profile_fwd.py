@@ -1,4 +1,5 @@
-"""A forward workload for Nsight Compute: our kernel and SDPA's at the benchmark grid's shapes, each run twice.
+"""A forward workload for Nsight Compute: our kernel and SDPA's at the benchmark grid's shapes, each run twice
+(with --backward, forward and backward: profile the backward kernels with -k regex:"flash_bwd|sdpa.*bwd|cudnn").
 
 B = tokens // L and H = hidden // D, as in bench_sdpa.py. The comparison in benchmarks/lab/LOG.md (v9) was taken with
 
@@ -29,16 +30,22 @@ def main():
     parser.add_argument("--backend", default="cudnn", choices=sorted(BACKENDS), help="the SDPA backend next to ours")
     parser.add_argument("--tokens", type=int, default=16384, help="B * L")
     parser.add_argument("--hidden", type=int, default=2048, help="H * D")
+    parser.add_argument("--backward", action="store_true", help="each call also runs the backward for a random dout")
     args = parser.parse_args()
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     for length in (int(x) for x in args.lengths.split(",")):
         batch, heads = max(1, args.tokens // length), max(1, args.hidden // args.head_dim)
-        q, k, v = (torch.randn(batch, heads, length, args.head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        q, k, v = (torch.randn(batch, heads, length, args.head_dim, device="cuda", dtype=dtype,
+                               requires_grad=args.backward) for _ in range(3))
+        dout = torch.randn_like(q)
         for _ in range(2):  # the first SDPA call also builds cuDNN's graph; profile the second with -s or -c
-            flashattn_ext.flash_attn(q, k, v, args.causal)
+            outputs = [flashattn_ext.flash_attn(q, k, v, args.causal)]
             with sdpa_kernel(BACKENDS[args.backend]):
-                F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
+                outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=args.causal))
+            if args.backward:
+                for out in outputs:
+                    torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
 
 
