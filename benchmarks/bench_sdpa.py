@@ -35,6 +35,7 @@ import csv
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -756,6 +757,8 @@ def main(argv=None) -> None:
           f"{len(configs)} configs x {len(impls)} implementations; timer: {timer_name}", flush=True)
 
     torch.manual_seed(0)
+    if args.deterministic:  # cuBLAS (our chunked backward, SDPA's math) needs a fixed workspace for determinism
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(args.deterministic)
     try:
         rows = run_grid(configs, impls, args, MODES[args.mode], timer)
