@@ -5,6 +5,7 @@ import torch
 
 import flashattn_ext
 from cases import HEAD_DIMS, LENGTH_PAIRS
+from isolated import run_isolated
 from reference import (
     GRAD_FLOOR,
     assert_grad_properties,
@@ -312,6 +313,33 @@ def test_deterministic_many_key_blocks(device, dtype, causal, head_dim, shape, d
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b), "two backward runs differ"
     assert_grads_close(runs[0], q, k, v, dout, dlse, causal, None)
+
+
+def deterministic_gradients(q, k, v, dout, dlse, causal):
+    """flashattn.bwd's gradients with deterministic algorithms (for run_isolated, under the caller's switches)."""
+    torch.use_deterministic_algorithms(True)
+    out, lse = fwd(q, k, v, causal)
+    return bwd(dout, q, k, v, out, lse, causal, None, dlse, True)
+
+
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_takes_the_hopper_kernel(device, dtype, causal):
+    # On Hopper up to D128 deterministic algorithms run the fused kernel (strict: or raise), not the chunked backward:
+    # the two add in different orders, so their bits differ while both are right.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's ordered dQ")
+    q, k, v = make_qkv(1, 4, 2, 700, 900, 128, dtype, device)
+    out, _ = fwd(q, k, v, causal)
+    dout, dlse = torch.randn_like(out), torch.randn(out.shape[:3], device=device)
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    fused = run_isolated(dict(env, FLASHATTN_BWD_SM90="strict"), "op.test_bwd", "deterministic_gradients", q, k, v,
+                         dout, dlse, causal)
+    chunked = run_isolated(dict(env, FLASHATTN_CUDA_BWD="chunked"), "op.test_bwd", "deterministic_gradients", q, k, v,
+                           dout, dlse, causal)
+    assert not torch.equal(fused[0], chunked[0]), "dq came from the same path twice"
+    for a, b in zip(fused, chunked):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[])

@@ -150,6 +150,7 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
   int step = 0;
   for (int g = 0; g < p.heads_per_kv; ++g) {
     const int head = block.kv_head * p.heads_per_kv + g;
+#pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
     for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
       const int stage = step % Traits::kStages;
       const int use = step / Traits::kStages;

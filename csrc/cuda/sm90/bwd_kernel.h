@@ -139,22 +139,24 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
 }
 
 // The dQ writer warp: per step, each consumer's dQ tile from shared memory into dq_accum (one TMA reduce-add of two
-// [64 rows][32 columns] boxes), then the tile back to its consumer once read. With a semaphore per tile, lane 0 first
-// waits until the key blocks before this one have added theirs, and counts its own once it is written.
+// [64 rows][32 columns] boxes, one bulk group per tile), then the tiles back to their consumers once read. With a
+// semaphore per tile, lane 0 first waits until the key blocks before this one have added theirs, and counts its own
+// once it is written (tile 0's write completes while tile 1 waits for its turn).
 template <typename Traits, bool kCausal, typename Storage>
 __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
                                               const KeyBlock<Traits, kCausal>& block, int lane) {
-  for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
   const int num_steps = block.num_steps(p);
+  if (num_steps == 0) return;
+  for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
   for (int step = 0; step < num_steps; ++step) {
     const int head = block.head(step, p);
+    const bool ordered = p.dq_semaphore != nullptr;
     for (int c = 0; c < 2; ++c) {
       named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
       if (lane == 0) {
-        int* const semaphore = p.dq_semaphore != nullptr ? block.dq_semaphore(step, c, p) : nullptr;
-        if (semaphore != nullptr) {
+        if (ordered) {
           const int turn = block.dq_turn(block.m_start(step) / Traits::kBlockM, p);
-          while (ld_acquire_gpu(semaphore) != turn) {
+          while (ld_acquire_gpu(block.dq_semaphore(step, c, p)) != turn) {
           }
           fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
@@ -165,15 +167,21 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
                             block.batch);
         }
         bulk_commit_group();
-        if (semaphore != nullptr) {
-          bulk_wait_group<0>();  // written, not only read
-          fence_proxy_async_global();
-          red_release_gpu_add(semaphore, 1);
-        }
       }
       __syncwarp();
     }
-    if (lane == 0) bulk_wait_group_read<0>();
+    if (lane == 0) {
+      if (ordered) {  // each tile counted once written, not only read
+        bulk_wait_group<1>();
+        fence_proxy_async_global();
+        red_release_gpu_add(block.dq_semaphore(step, 0, p), 1);
+        bulk_wait_group<0>();
+        fence_proxy_async_global();
+        red_release_gpu_add(block.dq_semaphore(step, 1, p), 1);
+      } else {
+        bulk_wait_group_read<0>();
+      }
+    }
     __syncwarp();
     if (step + 1 < num_steps) {
       for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
