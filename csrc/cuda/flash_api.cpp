@@ -122,16 +122,20 @@ bool sm90_device(const at::Tensor& q) {
 
 // Whether TMA can describe the inputs of `p` as they are (the driver encodes their maps; sm90/tma.h): q, k, v, and for
 // the backward dout too.
+// The driver encodes the maps in the thread's current context. A thread's first CUDA work may be this call (autograd
+// runs the backward on a thread of its own) with no context current yet, where the driver refuses every map:
+// cudaSetDevice makes the device's primary context current first.
 template <typename Params>
-bool tma_maps_inputs(const Params& p, bool is_bf16) {
+bool tma_maps_inputs(const Params& p, bool is_bf16, c10::DeviceIndex device) {
 #ifdef FLASHATTN_WITH_SM90
+  C10_CUDA_CHECK(cudaSetDevice(device));
   if constexpr (std::is_same_v<Params, BwdParams>) {
     return sm90::tma_can_map_bwd(p, is_bf16);
   } else {
     return sm90::tma_can_map(p, is_bf16);
   }
 #else
-  (void)p, (void)is_bf16;
+  (void)p, (void)is_bf16, (void)device;
   return false;
 #endif
 }
@@ -186,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   FwdDevice device{};
   device.sm90 = sm90_device(q);
   device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  device.tma_maps_q_kv = fwd_wants_sm90(bucket, device, sw) && tma_maps_inputs(params, is_bf16);
+  device.tma_maps_q_kv = fwd_wants_sm90(bucket, device, sw) && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw) ||
                   params.plan.kernel == FwdKernel::kSm90,
@@ -287,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const at::Tensor dout_rows = aligned(dout);
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   BwdParams params = make_bwd_inputs(dout_rows, q, k, v, s, softmax_scale);
-  const bool sm90_maps = wants_sm90 && tma_maps_inputs(params, is_bf16);
+  const bool sm90_maps = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
   TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90_maps,
               "flashattn.bwd: FLASHATTN_BWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k, v or dout)");
