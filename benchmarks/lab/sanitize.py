@@ -1,12 +1,13 @@
 """A few small forward and backward calls for compute-sanitizer (memcheck, racecheck): odd lengths, causal, GQA,
 Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
 
-Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256]
+Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256] [--deterministic]
 
 --head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
 for a change to one of them: racecheck over every case takes about 150 s of device time on the H200.
 """
 import argparse
+import os
 
 import torch
 
@@ -62,7 +63,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default=None,
                         help="comma-separated buckets (64, 128, 256) whose cases run; default: every case")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="under torch.use_deterministic_algorithms(True): the Hopper backward's ordered dQ")
     args = parser.parse_args()
+    if args.deterministic:  # the chunked backward (D256) then runs cuBLAS, which needs a fixed workspace for it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(args.deterministic)
     head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
     if head_dims is not None and not head_dims <= {64, 128, 256}:
         raise SystemExit(f"--head-dims: buckets are 64, 128 and 256, not {args.head_dims}")

@@ -19,6 +19,7 @@
 #include "cuda/fwd_plan.h"
 #include "cuda/kernel_table.h"
 #include "cuda/launchers.h"
+#include "cuda/sm90/tile_size.h"
 #include "cuda/static_switch.h"
 #include "cuda/switches.h"
 #ifdef FLASHATTN_WITH_SM90
@@ -121,16 +122,20 @@ bool sm90_device(const at::Tensor& q) {
 
 // Whether TMA can describe the inputs of `p` as they are (the driver encodes their maps; sm90/tma.h): q, k, v, and for
 // the backward dout too.
+// The driver encodes the maps in the thread's current context. A thread's first CUDA work may be this call (autograd
+// runs the backward on a thread of its own) with no context current yet, where the driver refuses every map:
+// cudaSetDevice makes the device's primary context current first.
 template <typename Params>
-bool tma_maps_inputs(const Params& p, bool is_bf16) {
+bool tma_maps_inputs(const Params& p, bool is_bf16, c10::DeviceIndex device) {
 #ifdef FLASHATTN_WITH_SM90
+  C10_CUDA_CHECK(cudaSetDevice(device));
   if constexpr (std::is_same_v<Params, BwdParams>) {
     return sm90::tma_can_map_bwd(p, is_bf16);
   } else {
     return sm90::tma_can_map(p, is_bf16);
   }
 #else
-  (void)p, (void)is_bf16;
+  (void)p, (void)is_bf16, (void)device;
   return false;
 #endif
 }
@@ -185,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   FwdDevice device{};
   device.sm90 = sm90_device(q);
   device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  device.tma_maps_q_kv = fwd_wants_sm90(bucket, device, sw) && tma_maps_inputs(params, is_bf16);
+  device.tma_maps_q_kv = fwd_wants_sm90(bucket, device, sw) && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw) ||
                   params.plan.kernel == FwdKernel::kSm90,
@@ -269,13 +274,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const c10::cuda::CUDAGuard device_guard(q.device());
 
   const int bucket = head_dim_bucket(s.head_dim);
-  // The fused kernels add dQ up across CTAs in an order that varies: deterministic=True takes the chunked backward, as
-  // do FLASHATTN_CUDA_BWD=chunked and calls without work.
-  if (sw.chunked_bwd || deterministic || !head_dim_bucket_built(bucket) || s.empty() || s.len_k == 0) {
+  if (sw.chunked_bwd || !head_dim_bucket_built(bucket) || s.empty() || s.len_k == 0) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
   }
   const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
-  if (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket) {
+  // The fused kernels add dQ up across CTAs in an order that varies, except the Hopper kernel up to D128 with its dQ
+  // semaphores: deterministic=True takes that or the chunked backward.
+  const bool ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128;
+  if ((deterministic && !ordered_dq) || (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket)) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
   }
   // Gradients can arrive as arbitrary views (e.g. a narrow of a concatenation); the fused kernels need 16-byte rows.
@@ -285,13 +291,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const at::Tensor dout_rows = aligned(dout);
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   BwdParams params = make_bwd_inputs(dout_rows, q, k, v, s, softmax_scale);
-  const bool sm90_maps = wants_sm90 && tma_maps_inputs(params, is_bf16);
+  const bool sm90_maps = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
   TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90_maps,
               "flashattn.bwd: FLASHATTN_BWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k, v or dout)");
-  const BwdPath path = sm90_maps                               ? BwdPath::kSm90
-                       : bucket <= kMaxFusedBwdSm80Bucket ? BwdPath::kSm80
-                                                          : BwdPath::kChunked;
+  const BwdPath path = sm90_maps                                       ? BwdPath::kSm90
+                       : !deterministic && bucket <= kMaxFusedBwdSm80Bucket ? BwdPath::kSm80
+                                                                            : BwdPath::kChunked;
   if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
 
   const at::Tensor out_rows = aligned(out);
@@ -300,6 +306,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   at::Tensor delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::zeros({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
+  // Deterministic: a count of the key blocks added so far per dQ tile (two per query block; bwd_kernel.h).
+  at::Tensor dq_semaphore;
+  if (deterministic) {
+    const int64_t block_m = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket)).block_m;
+    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, 2}, q.options().dtype(at::kInt));
+  }
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -323,6 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   params.lse = lse_rows.data_ptr<float>();
   params.delta = delta.data_ptr<float>();
   params.dq_accum = dq_accum.data_ptr<float>();
+  params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
   err = launch_bwd(params, is_bf16, bucket, causal, path, stream);

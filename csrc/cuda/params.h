@@ -77,6 +77,9 @@ struct BwdParams {
   const float* __restrict__ lse;    // (B, H, Lq) contiguous, natural log, -inf for rows without keys
   const float* __restrict__ delta;  // (B, H, Lq) contiguous: rowsum(dO * O) - dlse
   float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives scale * dS K
+  // Deterministic dQ (Hopper kernel, D <= 128): (B, H, query blocks, 2 tiles) int32, zero on entry, counting the key
+  // blocks added into each dQ tile so far; null: add in any order.
+  int* __restrict__ dq_semaphore;
 
   void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
   void* __restrict__ dv;

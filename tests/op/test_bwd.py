@@ -5,6 +5,7 @@ import torch
 
 import flashattn_ext
 from cases import HEAD_DIMS, LENGTH_PAIRS
+from isolated import run_isolated
 from reference import (
     GRAD_FLOOR,
     assert_grad_properties,
@@ -289,8 +290,64 @@ def test_deterministic(device, dtype, heads_kv, deterministic_algorithms):
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     first = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True)
     second = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
-    for a, b in zip(first, second):
-        assert torch.equal(a, b), "two backward runs differ"
+    assert_same_bits(first, second)
+
+
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize(
+    "shape", [(2, 8, 2, 1000, 1100), (1, 4, 4, 1500, 700), (1, 2, 1, 300, 2300)], ids=["gqa", "lq-gt-lk", "lq-lt-lk"]
+)
+def test_deterministic_many_key_blocks(device, dtype, causal, head_dim, shape, deterministic_algorithms):
+    # Many key blocks add into each dQ block (up to 18 of 128 keys), where an unordered addition would change bits from
+    # run to run: with deterministic algorithms every run gives the same bits, and the gradients are right (Hopper: the
+    # kernel's ordered dQ, causal with the key blocks reversed; elsewhere the chunked backward).
+    batch, heads, heads_kv, len_q, len_k = shape
+    q, k, v = leaves(*make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, dtype, device))
+    out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal=causal)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    runs = [torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True) for _ in range(4)]
+    for run in runs[1:]:
+        assert_same_bits(runs[0], run)
+    assert_grads_close(runs[0], q, k, v, dout, dlse, causal, None)
+
+
+def assert_same_bits(first, second):
+    """Two runs' (dq, dk, dv) are the same bits; else which gradient differs, in how many elements and rows."""
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        differ = a != b
+        if differ.any():
+            rows = differ.any(-1).nonzero()[:, -1]
+            raise AssertionError(f"two backward runs differ: {name} in {int(differ.sum())} elements, rows "
+                                 f"{int(rows.min())}..{int(rows.max())} of {a.shape[-2]}")
+
+
+def deterministic_gradients(q, k, v, dout, dlse, causal):
+    """flashattn.bwd's gradients with deterministic algorithms (for run_isolated, under the caller's switches)."""
+    torch.use_deterministic_algorithms(True)
+    out, lse = fwd(q, k, v, causal)
+    return bwd(dout, q, k, v, out, lse, causal, None, dlse, True)
+
+
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_takes_the_hopper_kernel(device, dtype, causal):
+    # On Hopper up to D128 deterministic algorithms run the fused kernel (strict: or raise), not the chunked backward:
+    # the two add in different orders, so their bits differ while both are right.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's ordered dQ")
+    q, k, v = make_qkv(1, 4, 2, 700, 900, 128, dtype, device)
+    out, _ = fwd(q, k, v, causal)
+    dout, dlse = torch.randn_like(out), torch.randn(out.shape[:3], device=device)
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    fused = run_isolated(dict(env, FLASHATTN_BWD_SM90="strict"), "op.test_bwd", "deterministic_gradients", q, k, v,
+                         dout, dlse, causal)
+    chunked = run_isolated(dict(env, FLASHATTN_CUDA_BWD="chunked"), "op.test_bwd", "deterministic_gradients", q, k, v,
+                           dout, dlse, causal)
+    assert not torch.equal(fused[0], chunked[0]), "dq came from the same path twice"
+    for a, b in zip(fused, chunked):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[])

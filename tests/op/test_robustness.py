@@ -17,7 +17,8 @@ import torch
 import flashattn_ext
 from cases import STREAM_K_MIN_BLOCKS, stream_k_tiles
 from isolated import run_isolated
-from reference import assert_attention_close, attention_ref, leaves, make_qkv, rows_with_keys, visible_mask
+from reference import (assert_attention_close, assert_grads_close, attention_ref, leaves, make_qkv, rows_with_keys,
+                       visible_mask)
 
 fwd = torch.ops.flashattn.fwd
 bwd = torch.ops.flashattn.bwd
@@ -321,3 +322,43 @@ def test_bwd_batch_invariant_when_deterministic(device, dtype, causal, determini
 
     for alone, batched in zip(grads(1, 0), grads(3, 5)):
         assert torch.equal(alone, batched)
+
+
+
+def fresh_thread_calls(q, k, v, dout):
+    """Run in a process of its own: the first forward on a thread that has done no CUDA work, then the first backward
+    (autograd runs it on a thread of its own). A forward on the main thread first leaves the output's memory cached,
+    so that the new thread's first CUDA work is the call itself."""
+    import threading
+
+    flashattn_ext.flash_attn(q, k, v, causal=True)
+    q, k, v = leaves(q, k, v)
+    result = {}
+
+    def forward():
+        try:
+            result["out"] = flashattn_ext.flash_attn_with_lse(q, k, v, causal=True)
+        except RuntimeError as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    out, lse = result["out"]
+    return (out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+def test_first_call_on_a_new_thread_takes_the_hopper_kernels(device, dtype):
+    # A thread's first CUDA work may be our call, before any context is current on it (autograd's backward thread):
+    # the Hopper kernels' TMA maps must still encode, so that strict mode does not raise, and the results are right.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernels")
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 128, dtype, device)
+    dout = torch.randn_like(q)
+    env = {"FLASHATTN_FWD_SM90": "strict", "FLASHATTN_BWD_SM90": "strict"}
+    out, lse, *grads = run_isolated(env, "op.test_robustness", "fresh_thread_calls", q, k, v, dout)
+    assert_attention_close(out, lse, q, k, v, True)
+    assert_grads_close(grads, q, k, v, dout, None, True)

@@ -31,14 +31,17 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 }
 
 // The CTA's block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Key blocks are numbered
-// fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first.
+// fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first; with an ordered
+// dQ (p.dq_semaphore) the causal order turns round (the shortest first), matching the order of the dQ additions.
 template <typename Traits, bool kCausal>
 struct KeyBlock {
-  int n_start, kv_head, batch, m_begin, num_m_blocks;
+  int n_block, n_start, kv_head, batch, m_begin, num_m_blocks;
 
   __device__ KeyBlock(const BwdParams& p) {
     const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    n_start = static_cast<int>(blockIdx.x % num_n_blocks) * Traits::kBlockN;
+    n_block = static_cast<int>(blockIdx.x % num_n_blocks);
+    if (kCausal && p.dq_semaphore != nullptr) n_block = num_n_blocks - 1 - n_block;
+    n_start = n_block * Traits::kBlockN;
     kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
     batch = blockIdx.x / num_n_blocks / p.heads_kv;
     num_m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -55,6 +58,23 @@ struct KeyBlock {
   // Offset of the step's head in the (B, H, Lq) row arrays: lse, delta, and (times D) dq_accum.
   __device__ int64_t row_base(int step, const BwdParams& p) const {
     return (static_cast<int64_t>(batch) * p.heads + head(step, p)) * p.len_q;
+  }
+
+  // Ordered dQ: how many key blocks add into query block m before this one. Without a mask every key block adds, in
+  // ascending order (the CTAs' launch order); under a causal mask the blocks that see m do, highest first: key block
+  // n sees m iff n * kBlockN - (Lk - Lq) < (m + 1) * kBlockM (the m_begin rule above).
+  __device__ int dq_turn(int m_block, const BwdParams& p) const {
+    if (!kCausal) return n_block;
+    const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q);
+    const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const int64_t seeing = (reach + Traits::kBlockN - 1) / Traits::kBlockN;  // reach > 0 where this block sees m
+    return static_cast<int>(seeing < num_n_blocks ? seeing : num_n_blocks) - 1 - n_block;
+  }
+  // This CTA's semaphore of dQ tile `tile` (one per consumer) of the step's query block.
+  __device__ int* dq_semaphore(int step, int tile, const BwdParams& p) const {
+    const int64_t m_block = m_start(step) / Traits::kBlockM;
+    const int64_t head_block = (static_cast<int64_t>(batch) * p.heads + head(step, p)) * num_m_blocks + m_block;
+    return p.dq_semaphore + head_block * 2 + tile;
   }
 };
 
@@ -130,6 +150,7 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
   int step = 0;
   for (int g = 0; g < p.heads_per_kv; ++g) {
     const int head = block.kv_head * p.heads_per_kv + g;
+#pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
     for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
       const int stage = step % Traits::kStages;
       const int use = step / Traits::kStages;

@@ -14,10 +14,12 @@
 //     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major)
 //
 // dQ of a step is 64x64 tiles: two (kBlockM = 64 queries x D = 128, or 128 queries x D = 64), one per warpgroup.
-// Each goes registers -> swizzled shared memory -> one TMA reduce-add into the fp32 dq_accum: one reduction per
-// element and CTA, in bulk, where per-thread fp32 atomics held the kernel at about half its speed. lse and delta of
-// the next step are loaded from global memory a step ahead, out of the critical path. dK (times scale) and dV are
-// complete in registers at the end: one writer per element, no atomics.
+// Each goes registers -> swizzled shared memory, and the dQ writer (warp 1 of the producer warpgroup) adds it into the
+// fp32 dq_accum by one TMA reduce-add: one reduction per element and CTA, in bulk, where per-thread fp32 atomics held
+// the kernel at about half its speed. Deterministic (p.dq_semaphore): the writer waits for its turn before each
+// addition and counts it done once written, so the key blocks add into each dQ tile in a fixed order (KeyBlock::
+// dq_turn) while the consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out
+// of the critical path. dK (times scale) and dV are complete in registers at the end: one writer per element.
 #pragma once
 
 #include <cuda.h>
@@ -32,6 +34,7 @@
 #include "cuda/sm90/bwd_split_kernel.h"
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
+#include "cuda/sm90/tile_size.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
 
@@ -40,10 +43,10 @@ namespace flashattn::sm90 {
 template <int HeadDim>
 struct BwdTraits {
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockN = 128;  // keys per CTA: two consumer warpgroups x 64
-  // Queries per step, the N of S^T = K Q^T: 128 at D64 (registers allow it: dK, dV are 32 each), 64 at D128. Either
-  // way a step's dQ is two 64x64 tiles, one per warpgroup.
-  static constexpr int kBlockM = HeadDim == 64 ? 128 : 64;
+  static constexpr int kBlockN = bwd_tile_shape(HeadDim).block_n;  // keys per CTA: two consumer warpgroups x 64
+  // Queries per step, the N of S^T = K Q^T: 128 at D64, 64 at D128. Either way a step's dQ is two 64x64 tiles, one
+  // per warpgroup.
+  static constexpr int kBlockM = bwd_tile_shape(HeadDim).block_m;
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
@@ -54,7 +57,7 @@ struct BwdTraits {
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kTileDS = 64 * kBlockM;  // one consumer's dS^T: 64 keys x kBlockM queries
   static constexpr int kTileDQ = 64 * 64;       // one consumer's dQ tile, fp32: two TMA boxes of 64 rows x 32 columns
-  static constexpr int kProducerRegs = 24;
+  static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warp
   static constexpr int kConsumerRegs = 240;
   template <typename T>
   static constexpr int smem_bytes() {
@@ -64,6 +67,7 @@ struct BwdTraits {
            1024 /* alignment */ + 256 /* barriers */;
   }
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward covers head dims 64 and 128");
+  static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
   static_assert(kQueryBlocks * kColumnBlocks == 2, "a step's dQ is one 64x64 tile per consumer warpgroup");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -134,6 +138,58 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
   }
 }
 
+// The dQ writer warp: per step, each consumer's dQ tile from shared memory into dq_accum (one TMA reduce-add of two
+// [64 rows][32 columns] boxes, one bulk group per tile), then the tiles back to their consumers once read. With a
+// semaphore per tile, lane 0 first waits until the key blocks before this one have added theirs, and counts its own
+// once it is written (tile 0's write completes while tile 1 waits for its turn).
+template <typename Traits, bool kCausal, typename Storage>
+__device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
+                                              const KeyBlock<Traits, kCausal>& block, int lane) {
+  const int num_steps = block.num_steps(p);
+  if (num_steps == 0) return;
+  for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+  for (int step = 0; step < num_steps; ++step) {
+    const int head = block.head(step, p);
+    const bool ordered = p.dq_semaphore != nullptr;
+    for (int c = 0; c < 2; ++c) {
+      named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
+      if (lane == 0) {
+        if (ordered) {
+          const int turn = block.dq_turn(block.m_start(step) / Traits::kBlockM, p);
+          while (ld_acquire_gpu(block.dq_semaphore(step, c, p)) != turn) {
+          }
+          fence_proxy_async_global();  // the earlier blocks' additions before this one's
+        }
+        const int row = block.m_start(step) + 64 * (c % Traits::kQueryBlocks);
+        const float* const tile = smem.dq + c * Traits::kTileDQ;
+        for (int box = 0; box < 2; ++box) {
+          tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * (c / Traits::kQueryBlocks) + 32 * box, row, head,
+                            block.batch);
+        }
+        bulk_commit_group();
+      }
+      __syncwarp();
+    }
+    if (lane == 0) {
+      if (ordered) {  // each tile counted once written, not only read
+        bulk_wait_group<1>();
+        fence_proxy_async_global();
+        red_release_gpu_add(block.dq_semaphore(step, 0, p), 1);
+        bulk_wait_group<0>();
+        fence_proxy_async_global();
+        red_release_gpu_add(block.dq_semaphore(step, 1, p), 1);
+      } else {
+        bulk_wait_group_read<0>();
+      }
+    }
+    __syncwarp();
+    if (step + 1 < num_steps) {
+      for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+    }
+  }
+  if (lane == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
+}
+
 template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -155,10 +211,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
+  if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    run_bwd_producer<T>(smem, q_map, k_map, v_map, do_map, p, block);
+    if (threadIdx.x == 0) run_bwd_producer<T>(smem, q_map, k_map, v_map, do_map, p, block);
+    if (threadIdx.x / 32 == 1) run_dq_writer<Traits>(smem, dq_map, p, block, threadIdx.x % 32);
     return;
   }
 
@@ -175,7 +231,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int dq_query_block = consumer % Traits::kQueryBlocks;
   const int dq_column_block = consumer / Traits::kQueryBlocks;
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
-  const int dq_barrier = BwdBarrier::dq_stored(consumer);  // 128 threads: this warpgroup's dQ tile is in shared memory
 
   // lse (log2 domain) and delta of a step's rows (RowStats), staged per warpgroup in shared memory (both warpgroups
   // stage the same values, each its own copy, so that neither waits for the other): at kBlockM = 128 thread t
@@ -195,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   load_stats(0);
   store_stats(0);
-  named_barrier_sync(dq_barrier, 128);  // the warpgroup's own barrier, here publishing step 0's statistics
+  named_barrier_sync(BwdBarrier::kDsStored, 256);  // publishes step 0's statistics
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
@@ -203,7 +258,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   mbarrier_wait(smem.kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
-    const int head = block.head(step, p);
     const int m_start = block.m_start(step);
     const int stage = step % kStages;
     const uint32_t parity = (step / kStages) & 1;
@@ -268,10 +322,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_commit();
 
     // The next step's lse/delta go to the other buffer (its last readers, step n - 1, passed the barrier below a
-    // step ago); the barrier publishes them with the dS^T tiles. Thread 0 first waits until the previous step's TMA
-    // reduction has read this warpgroup's dQ tile, so that after the barrier it may be overwritten.
+    // step ago); the barrier publishes them with the dS^T tiles.
     if (step + 1 < num_steps) store_stats(buffer ^ 1);
-    if (thread == 0) bulk_wait_group_read<0>();
     named_barrier_sync(BwdBarrier::kDsStored, 256);
 
     // dQ tile = dS[query block] K[:, column block] over the CTA's 128 keys: A = the two dS^T tiles read M-major
@@ -296,23 +348,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_wait<0>();
     wgmma_fence_registers(dq);
 
+    named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
     store_swizzled_fp32_tile(dq_tile, dq, p.scale, warp, lane);
     fence_proxy_async_smem();
-    if (warp == 0) {
-      named_barrier_sync(dq_barrier, 128);
-      if (lane == 0) {
-        const int row = m_start + 64 * dq_query_block;
-        for (int box = 0; box < 2; ++box) {
-          tma_reduce_add_4d(&dq_map, dq_tile + box * 64 * 32, 64 * dq_column_block + 32 * box, row, head,
-                            block.batch);
-        }
-        bulk_commit_group();
-      }
-    } else {
-      named_barrier_arrive(dq_barrier, 128);
-    }
+    named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
   }
-  if (thread == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
 
   store_dk_dv<T, kHeadDim>(p, block, key0, 0, lane, dk, dv);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -25,6 +25,7 @@
 #include "cuda/sm90/bwd_common.h"
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
+#include "cuda/sm90/tile_size.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
 
@@ -33,8 +34,8 @@ namespace flashattn::sm90 {
 struct BwdSplitTraits {
   static constexpr int kHeadDim = 256;
   static constexpr int kHalf = 128;    // columns of dK, dV and dQ per consumer warpgroup
-  static constexpr int kBlockN = 64;   // keys per CTA: the M of every GEMM but dQ
-  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kBlockN = bwd_tile_shape(kHeadDim).block_n;  // keys per CTA: the M of every GEMM but dQ
+  static constexpr int kBlockM = bwd_tile_shape(kHeadDim).block_m;  // queries per step
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = kHeadDim / 64;

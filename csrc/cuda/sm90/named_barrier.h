@@ -16,11 +16,15 @@ struct FwdBarrier {
   static_assert(1 + 2 * kConsumers <= 16, "barrier ids run out at 15");
 };
 
-// Backward (bwd_kernel.h), two consumer warpgroups.
+// Backward (bwd_kernel.h), two consumer warpgroups and the dQ writer warp.
 struct BwdBarrier {
-  static constexpr int kDsStored = 1;  // both consumers' dS^T tiles are in shared memory (256 threads)
-  // Consumer c's dQ tile is in shared memory, or (step 0) its first statistics are (128 threads).
-  __host__ __device__ static constexpr int dq_stored(int consumer) { return 2 + consumer; }
+  // Both consumers' dS^T tiles are in shared memory, or (before step 0) their first statistics are (256 threads).
+  static constexpr int kDsStored = 1;
+  static constexpr int kWriterThreads = 128 + 32;  // a consumer warpgroup and the dQ writer warp
+  // Consumer c's dQ tile is in shared memory (kWriterThreads).
+  __host__ __device__ static constexpr int dq_full(int consumer) { return 2 + consumer; }
+  // The writer has read consumer c's dQ tile: it may be overwritten (kWriterThreads).
+  __host__ __device__ static constexpr int dq_empty(int consumer) { return 4 + consumer; }
 };
 
 // Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work.

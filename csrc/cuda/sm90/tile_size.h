@@ -38,6 +38,17 @@ constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t 
   return {consumers, 64 * consumers, block_n};
 }
 
+// The Hopper backward's tile: block_n keys per CTA (two consumer warpgroups of 64 at D64 and D128; one at D256, whose
+// consumers split the columns), block_m queries per step (128 at D64, where dK and dV leave the registers room).
+struct BwdTileShape {
+  int block_m;
+  int block_n;
+};
+
+constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim) {
+  return kernel_head_dim == 256 ? BwdTileShape{64, 64} : BwdTileShape{kernel_head_dim == 64 ? 128 : 64, 128};
+}
+
 static_assert(fwd_tile_shape(64, false, 100, 100).consumers == 3, "D64 without a mask: three consumers");
 static_assert(fwd_tile_shape(64, true, 1024, 1024).block_m == 192, "long causal D64: three consumers");
 static_assert(fwd_tile_shape(64, true, 1023, 4096).block_m == 128, "short causal D64: two");
