@@ -57,6 +57,9 @@ struct BwdTraits {
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kTileDS = 64 * kBlockM;  // one consumer's dS^T: 64 keys x kBlockM queries
   static constexpr int kTileDQ = 64 * 64;       // one consumer's dQ tile, fp32: two TMA boxes of 64 rows x 32 columns
+  // Consumer c's dQ tile: 64-query sub-tile and 64-column block of the step's dQ (for the consumer and the writer).
+  __host__ __device__ static constexpr int dq_query_block(int consumer) { return consumer % kQueryBlocks; }
+  __host__ __device__ static constexpr int dq_column_block(int consumer) { return consumer / kQueryBlocks; }
   static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warp
   static constexpr int kConsumerRegs = 240;
   template <typename T>
@@ -147,10 +150,10 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
                                               const KeyBlock<Traits, kCausal>& block, int lane) {
   const int num_steps = block.num_steps(p);
   if (num_steps == 0) return;
+  const bool ordered = p.dq_semaphore != nullptr;
   for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
   for (int step = 0; step < num_steps; ++step) {
     const int head = block.head(step, p);
-    const bool ordered = p.dq_semaphore != nullptr;
     for (int c = 0; c < 2; ++c) {
       named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
       if (lane == 0) {
@@ -160,10 +163,10 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
           }
           fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
-        const int row = block.m_start(step) + 64 * (c % Traits::kQueryBlocks);
+        const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
         const float* const tile = smem.dq + c * Traits::kTileDQ;
         for (int box = 0; box < 2; ++box) {
-          tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * (c / Traits::kQueryBlocks) + 32 * box, row, head,
+          tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c) + 32 * box, row, head,
                             block.batch);
         }
         bulk_commit_group();
@@ -228,8 +231,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const T* const k_rows = smem.k + consumer * 64 * 64;  // this warpgroup's 64 rows inside each sub-tile
   const T* const v_rows = smem.v + consumer * 64 * 64;
   // This warpgroup's dQ tile of every step: a 64-query sub-tile and a 64-column block.
-  const int dq_query_block = consumer % Traits::kQueryBlocks;
-  const int dq_column_block = consumer / Traits::kQueryBlocks;
+  const int dq_query_block = Traits::dq_query_block(consumer);
+  const int dq_column_block = Traits::dq_column_block(consumer);
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
 
   // lse (log2 domain) and delta of a step's rows (RowStats), staged per warpgroup in shared memory (both warpgroups
