@@ -27,6 +27,12 @@ forward) and "fwdbwd" (forward + backward, 3.5x the forward FLOPs; its memory co
 training step's attention). fwdbwd also times the backward alone (2.5x the forward FLOPs, through a graph kept from
 one forward) and reports it in the *_bwd_* columns. --deterministic runs everything under
 torch.use_deterministic_algorithms(True) (an SDPA backend without a deterministic backward then shows '-').
+
+Score modifications: --window L,R, --softcap C and --sinks run our op with them, and compare it with FlexAttention
+(`flex`: torch.compile'd flex_attention with the same block mask and score_mod; sinks through its lse) and with our own
+op without them (`dense`: the plain causal or full attention of the same shape). FLOPs then count the band's visible
+(query, key) pairs; `dense` is counted on its own area, so /dense compares TFLOP/s on each one's unmasked area. SDPA
+backends take a window as a boolean mask where they accept one (efficient, math) and show '-' for softcap and sinks.
 """
 from __future__ import annotations
 
@@ -84,6 +90,41 @@ CPU_WARMUP_CALLS, CPU_REPS = 1, 5
 flashattn_ext = None  # imported in main() so that --help works without a build
 
 
+@dataclass(frozen=True)
+class ScoreMods:
+    """The score modifications every implementation of a run applies (--window, --softcap, --sinks)."""
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.window != (-1, -1) or self.softcap > 0 or self.sinks
+
+    def band(self, causal: bool) -> Tuple[int, int]:
+        left, right = self.window
+        return left, 0 if causal else right
+
+    def visible_pairs(self, len_q: int, len_k: int, causal: bool) -> int:
+        """How many (query, key) pairs the band leaves visible."""
+        left, right = self.band(causal)
+        i = torch.arange(len_q, dtype=torch.int64)
+        shift = len_k - len_q
+        lo = (i + shift - left).clamp(0, len_k) if left >= 0 else torch.zeros_like(i)
+        hi = (i + shift + right + 1).clamp(0, len_k) if right >= 0 else torch.full_like(i, len_k)
+        return int((hi - lo).clamp(min=0).sum())
+
+    @property
+    def label(self) -> str:
+        parts = [f"window {self.window[0]},{self.window[1]}"] if self.window != (-1, -1) else []
+        parts += [f"softcap {self.softcap:g}"] if self.softcap > 0 else []
+        return ", ".join(parts + (["sinks"] if self.sinks else []))
+
+
+MODS = ScoreMods()  # set in main()
+PEERS = ("flex", "dense")  # implementations besides SDPA's backends, for runs with score modifications
+
+
 # ----------------------------------------------------------------------------------------------- configurations
 @dataclass(frozen=True)
 class Config:
@@ -98,7 +139,12 @@ class Config:
     def label(self) -> str:
         return f"{self.dtype} D={self.head_dim} L={self.seqlen} causal={'on' if self.causal else 'off'}"
 
-    def forward_flops(self) -> float:
+    def forward_flops(self, mods: Optional[ScoreMods] = None) -> float:
+        """4 B H D times the visible pairs: L^2 (halved for causal), or the band's of `mods` (default: the run's)."""
+        mods = MODS if mods is None else mods
+        if mods.window != (-1, -1):
+            return 4.0 * self.batch * self.heads * self.head_dim * mods.visible_pairs(self.seqlen, self.seqlen,
+                                                                                      self.causal)
         flops = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
         return flops / 2 if self.causal else flops
 
@@ -129,16 +175,80 @@ def naive_attention(q, k, v, causal: bool):
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
+def make_sinks(q) -> torch.Tensor:
+    """The sinks of a --sinks run: one fixed logit per head (float32), the same for every implementation."""
+    return torch.linspace(-1.0, 2.0, q.shape[1], device=q.device, dtype=torch.float32)
+
+
+def flex_callable(q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
+    """FlexAttention (compiled) with the run's band as a block mask, softcap as a score_mod and sinks through lse:
+    out * sigmoid(lse - sink) is the output with the sink in the denominator."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # The fwdbwd mode's backward alone reuses one graph (retain_graph), which donated buffers would free.
+    torch._functorch.config.donated_buffer = False
+
+    left, right = MODS.band(causal)
+    shift = k.shape[2] - q.shape[2]
+    cap = MODS.softcap
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = kv_idx >= 0
+        if right >= 0:
+            visible = visible & (kv_idx <= q_idx + shift + right)
+        if left >= 0:
+            visible = visible & (kv_idx >= q_idx + shift - left)
+        return visible
+
+    def softcap_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    masked = left >= 0 or right >= 0
+    block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device=q.device) if masked else None
+    compiled = torch.compile(flex_attention)
+    sinks = make_sinks(q) if MODS.sinks else None
+    score_mod = softcap_mod if cap > 0 else None
+    enable_gqa = q.shape[1] != k.shape[1]
+
+    def flex():
+        if sinks is None:
+            return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+        out, lse = compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
+                            return_lse=True)
+        return out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
+
+    return flex
+
+
 def forward_callable(impl: str, q, k, v, causal: bool) -> Callable[[], torch.Tensor]:
-    """A zero-argument forward of `impl`: 'ours', 'naive' or an SDPA backend name (pinned, no fallback)."""
+    """A zero-argument forward of `impl`: 'ours', 'naive', 'flex', 'dense' (ours without the run's score
+    modifications) or an SDPA backend name (pinned, no fallback)."""
     if impl == "ours":
+        sinks = make_sinks(q) if MODS.sinks else None
+        return lambda: flashattn_ext.flash_attn(q, k, v, causal=causal, window_size=MODS.window,
+                                                softcap=MODS.softcap, sinks=sinks)
+    if impl == "dense":
         return lambda: flashattn_ext.flash_attn(q, k, v, causal=causal)
+    if impl == "flex":
+        return flex_callable(q, k, v, causal)
     if impl == "naive":
+        if MODS.active:
+            raise NotImplementedError("naive attention with score modifications")
         return lambda: naive_attention(q, k, v, causal)
     backend = SDPA_BACKENDS[impl]
+    if MODS.softcap > 0 or MODS.sinks:
+        raise NotImplementedError("SDPA has no softcap or sinks")
+    mask = None
+    if MODS.window != (-1, -1):
+        left, right = MODS.band(causal)
+        i = torch.arange(q.shape[2], device=q.device)[:, None] + (k.shape[2] - q.shape[2])
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
+        mask = (j <= i + right if right >= 0 else j >= 0) & (j >= i - left if left >= 0 else j >= 0)
 
     def sdpa():
         with sdpa_kernel(backend):
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return sdpa
@@ -151,14 +261,24 @@ class Timed:
     step: Callable[[], object]
     flops: float
     backward: Optional[Callable[[], object]] = None
+    area: float = 1.0  # this implementation's visible pairs over the run's (the backward's FLOPs scale with it)
 
 
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five GEMMs of the forward's size to its two
 
 
+def area_factor(impl: str, q, causal: bool) -> float:
+    """`dense` runs without the band: its FLOPs over the band's (1 for everything else)."""
+    if impl != "dense" or MODS.window == (-1, -1):
+        return 1.0
+    length = q.shape[2]
+    dense = length * length / (2 if causal else 1)
+    return dense / max(1, MODS.visible_pairs(length, length, causal))
+
+
 def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
     """Mode 'fwd': the forward alone; its FLOPs are the forward FLOPs."""
-    return Timed(forward_callable(impl, q, k, v, causal), 1.0)
+    return Timed(forward_callable(impl, q, k, v, causal), area_factor(impl, q, causal))
 
 
 def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
@@ -177,7 +297,8 @@ def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
             kept.append(forward())
         return torch.autograd.grad(kept[0], (q, k, v), dout, retain_graph=True)
 
-    return Timed(step, 1.0 + BACKWARD_FLOPS, backward)
+    return Timed(step, (1.0 + BACKWARD_FLOPS) * area_factor(impl, q, causal), backward,
+                 area_factor(impl, q, causal))
 
 
 MODES = {"fwd": make_fwd_fn, "fwdbwd": make_fwdbwd_fn}
@@ -343,14 +464,20 @@ def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: s
             results[impl] = Measurement(ms=ms, tflops=rate(ms, timed.flops), mem_mib=mem)
             if bwd_times[impl]:
                 bwd_ms = statistics.median(bwd_times[impl])
-                results[impl].bwd_ms, results[impl].bwd_tflops = bwd_ms, rate(bwd_ms, BACKWARD_FLOPS)
+                results[impl].bwd_ms, results[impl].bwd_tflops = bwd_ms, rate(bwd_ms, BACKWARD_FLOPS * timed.area)
     return results
 
 
 def reference_output(q, k, v, causal: bool, math_budget_bytes: float) -> Tuple[Optional[torch.Tensor], str]:
-    """SDPA's output from the flash backend, else from math (when its fp32 scores fit the budget)."""
+    """SDPA's output from the flash backend, else from math (when its fp32 scores fit the budget); FlexAttention's
+    with score modifications."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if MODS.active:
+            try:
+                return forward_callable("flex", q, k, v, causal)(), "flex"
+            except Exception:
+                return None, "-"
         try:
             return forward_callable("flash", q, k, v, causal)(), "flash"
         except Exception:
@@ -467,6 +594,9 @@ def row_record(row: Row, impls: List[str], backends: List[str], with_bwd: bool =
     if with_bwd:
         best_bwd = row.best_sdpa(backends, "bwd")
         record.update(best_sdpa_bwd=best_bwd, ours_bwd_over_best=significant(row.ratio(best_bwd, "bwd"), 5))
+    for peer in PEERS:
+        if peer in backends:
+            record[f"ours_over_{peer}"] = significant(row.ratio(peer), 5)
     record.update(max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok)
     return record
 
@@ -492,7 +622,8 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         flashattn_ext=getattr(flashattn_ext, "__version__", None),
         flashattn_ext_path=getattr(flashattn_ext, "__file__", None),
         git_commit=git_commit(),
-        dtypes=args.dtypes, mode=args.mode, deterministic=args.deterministic, timer=timer_name, rounds=args.rounds, naive_mem_gib=args.naive_mem_gib,
+        dtypes=args.dtypes, mode=args.mode, deterministic=args.deterministic, timer=timer_name, rounds=args.rounds,
+        naive_mem_gib=args.naive_mem_gib, score_mods=MODS.label,
         tokens=args.tokens, hidden=args.hidden,
     )
 
@@ -537,6 +668,7 @@ def write_json(path: Path, meta, rows: List[Row], records: List[Dict[str, object
 IMPL_STYLE = {  # colour and marker per line of the plot
     "ours": ("black", "o"), "flash": ("tab:blue", "s"), "efficient": ("tab:orange", "^"),
     "cudnn": ("tab:green", "D"), "math": ("tab:purple", "v"), "naive": ("tab:red", "x"),
+    "flex": ("tab:cyan", "P"), "dense": ("tab:gray", "*"),
 }
 
 
@@ -599,8 +731,9 @@ def table_columns(backends: List[str], impls: List[str], with_bwd: bool = False
         ("best", lambda r: r.best_sdpa(backends) or "-"),
         ("/best", lambda r: fmt(r.ratio(r.best_sdpa(backends)), ".2f")),
     ]
-    if "flash" in backends:
-        columns.append(("/flash", lambda r: fmt(r.ratio("flash"), ".2f")))
+    for peer in ("flash", *PEERS):
+        if peer in backends:
+            columns.append((f"/{peer}", lambda r, p=peer: fmt(r.ratio(p), ".2f")))
     if with_bwd:
         columns += [
             ("bwd TF", lambda r: fmt_rate(r.tflops("ours", "bwd"))),
@@ -645,8 +778,9 @@ def print_summary(rows: List[Row], backends: List[str], min_len: int, with_bwd: 
         group = [r for r in rows if (r.config.dtype, r.config.head_dim, r.config.causal) == (dtype, head_dim, causal)
                  and r.config.seqlen >= min_len]
         parts = []
-        if "flash" in backends:
-            parts.append("ours/flash " + min_ratio(group, lambda r: r.ratio("flash")))
+        for peer in ("flash", *PEERS):
+            if peer in backends:
+                parts.append(f"ours/{peer} " + min_ratio(group, lambda r, p=peer: r.ratio(p)))
         parts.append("ours/best-SDPA " + min_ratio(group, lambda r: r.ratio(r.best_sdpa(backends))))
         if with_bwd:
             parts.append("bwd " + min_ratio(group, lambda r: r.ratio(r.best_sdpa(backends, "bwd"), "bwd")))
@@ -690,7 +824,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, help="B*L per configuration (B = tokens // L, at least 1)")
     parser.add_argument("--hidden", type=int, help="H*D per configuration (H = hidden // D, at least 1)")
     parser.add_argument("--causal", choices=["both", "on", "off"], default="both", help="causal masking")
-    parser.add_argument("--backends", help=f"comma list of SDPA backends from {', '.join(SDPA_BACKENDS)}")
+    parser.add_argument("--backends", help=f"comma list of SDPA backends from {', '.join(SDPA_BACKENDS)}, or the "
+                                           f"peers {', '.join(PEERS)} (default with score modifications)")
     parser.add_argument("--naive-mem-gib", type=float, default=8.0,
                         help="skip the naive path when its score matrix exceeds this many GiB (0: never run it); "
                              "also bounds the math-backend reference of the correctness check")
@@ -705,6 +840,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=sorted(MODES), default="fwd",
                         help="fwd: forward only; fwdbwd: forward + backward (3.5x forward FLOPs), and the backward "
                              "alone (2.5x)")
+    parser.add_argument("--window", help="L,R: a sliding window (-1: unbounded on that side)")
+    parser.add_argument("--softcap", type=float, default=0.0, help="cap the scores: C * tanh(score / C)")
+    parser.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
     parser.add_argument("--deterministic", action="store_true",
                         help="run under torch.use_deterministic_algorithms(True); the files' names end in "
                              "_deterministic")
@@ -715,7 +853,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--device cuda: no GPU visible")
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
+    window = (-1, -1)
+    if args.window:
+        parts = int_list(args.window)
+        if len(parts) != 2 or min(parts) < -1:
+            parser.error("--window: L,R with entries >= -1")
+        window = (parts[0], parts[1])
+    if args.softcap < 0:
+        parser.error("--softcap: >= 0")
+    args.mods = ScoreMods(window, args.softcap, args.sinks)
     defaults = dict(GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS)
+    if args.mods.active:
+        defaults["backends"] = ",".join(PEERS)
     if args.quick:
         defaults.update(GPU_QUICK if args.device == "cuda" else CPU_QUICK)
     for name, value in defaults.items():
@@ -743,9 +892,11 @@ def import_flashattn_ext():
 def main(argv=None) -> None:
     args = parse_args(argv)
     dtypes = name_list(args.dtypes, DTYPES, "--dtypes")
-    backends = name_list(args.backends, SDPA_BACKENDS, "--backends")
+    global MODS
+    MODS = args.mods
+    backends = name_list(args.backends, [*SDPA_BACKENDS, *PEERS], "--backends")
     import_flashattn_ext()
-    impls = ["ours", *backends, "naive"]
+    impls = ["ours", *backends] + ([] if MODS.active else ["naive"])
     causals = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     configs = build_grid(dtypes, int_list(args.head_dims), int_list(args.lengths), causals, args.tokens,
                          args.hidden)
@@ -754,7 +905,8 @@ def main(argv=None) -> None:
     variant = "GPU" if args.device == "cuda" else "CPU variant (no GPU in use: small fp32 sizes by default)"
     card = f" ({meta['device_uuid']})" if meta["device_uuid"] else ""
     print(f"bench_sdpa: {variant} on {meta['device']}{card}; torch {meta['torch']}, cuDNN {meta['cudnn']}; "
-          f"{len(configs)} configs x {len(impls)} implementations; timer: {timer_name}", flush=True)
+          f"{len(configs)} configs x {len(impls)} implementations; timer: {timer_name}"
+          + (f"; score modifications: {MODS.label}" if MODS.active else ""), flush=True)
 
     torch.manual_seed(0)
     if args.deterministic:  # cuBLAS (our chunked backward, SDPA's math) needs a fixed workspace for determinism
@@ -767,7 +919,8 @@ def main(argv=None) -> None:
 
     with_bwd = args.mode == "fwdbwd"
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_sdpa_{args.device}_{args.mode}{'_deterministic' if args.deterministic else ''}"
+    mods_tag = "_" + MODS.label.replace(", ", "_").replace(" ", "").replace(",", "-") if MODS.active else ""
+    stem = args.out / f"bench_sdpa_{args.device}_{args.mode}{mods_tag}{'_deterministic' if args.deterministic else ''}"
     records = [row_record(row, impls, backends, with_bwd) for row in rows]
     write_csv(stem.with_suffix(".csv"), records)
     write_json(stem.with_suffix(".json"), meta, rows, records)

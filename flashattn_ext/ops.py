@@ -10,15 +10,31 @@ __all__ = ["flash_attn", "flash_attn_with_lse"]
 
 
 def flash_attn_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Like :func:`flash_attn`, but also returns ``lse`` (float32, (B, H, Lq)): the natural-log logsumexp
-    of each row of scaled scores (``-inf`` exactly for a row that sees no key; NaN for a row whose softmax is NaN).
-    Both outputs are differentiable."""
-    return torch.ops.flashattn.fwd(q, k, v, causal, scale)
+    of each row of (capped) scores and its sink (``-inf`` exactly for a row that sees no key and has no sink; NaN for
+    a row whose softmax is NaN). Both outputs are differentiable."""
+    return torch.ops.flashattn.fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)
 
 
-def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
+def flash_attn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> Tensor:
     """Exact attention ``softmax(scale * q @ k.T) @ v`` without materialising the score matrix.
 
     Args:
@@ -31,6 +47,13 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Opt
         scale: multiplier of the scores; defaults to ``1 / sqrt(D)``. Any finite value with
             ``|scale| * log2(e)`` within float32 (about 2.36e38); a scale too small for a normal float32 (even 0)
             gives the uniform softmax.
+        window_size: ``(left, right)`` sliding window, inclusive: with ``shift = Lk - Lq``, query ``i`` sees key
+            ``j`` iff ``i + shift - left <= j <= i + shift + right``; ``-1`` leaves that side unbounded. With
+            ``causal`` the right side is 0. A query row that sees no key returns zeros.
+        softcap: if > 0, scores are capped as ``softcap * tanh(scale * q.k / softcap)`` (Gemma 2).
+        sinks: optional float32 (H,) tensor, one learnable logit per query head that joins each row's softmax
+            denominator without a value row (gpt-oss): rows are scaled by ``sum / (sum + exp(sink))``; a row that sees
+            no key returns zeros with ``lse = sink``. Differentiable.
 
     Any strides with ``stride(-1) == 1`` are used as given (no copy), e.g. transposed views of a packed
     (B, L, 3, H, D) tensor. CUDA supports float16 and bfloat16 with ``D`` a multiple of 8 up to 256; CPU
@@ -40,20 +63,20 @@ def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Opt
     A NaN reaches every row that sees it (a NaN in a query row, or in a key the row sees, makes that row's output and
     lse NaN); infinite scores follow softmax. A sequence's result is the same bits whatever else is in the batch.
 
-    Differentiable with respect to q, k and v. The backward is deterministic (bitwise-identical gradients across
+    Differentiable with respect to q, k, v and sinks. The backward is deterministic (bitwise-identical gradients across
     runs, and across batches) when ``torch.use_deterministic_algorithms(True)`` is in effect.
 
     Returns:
         out: (B, H, Lq, D), the dtype of ``q``.
     """
-    return torch.ops.flashattn.fwd(q, k, v, causal, scale)[0]
+    return torch.ops.flashattn.fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)[0]
 
 
 # ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 
 @torch.library.register_fake("flashattn::fwd")
-def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
+def _fwd_fake(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, sinks=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "flashattn.fwd: q, k, v must be 4-D")
     batch, heads, len_q, head_dim = q.shape
     torch._check(k.shape[0] == batch and v.shape[0] == batch, lambda: "flashattn.fwd: batch sizes differ")
@@ -65,12 +88,16 @@ def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Opti
 
 
 @torch.library.register_fake("flashattn::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, causal=False, scale=None, dlse=None, deterministic=False):
+def _bwd_fake(
+    dout, q, k, v, out, lse, causal=False, scale=None, dlse=None, deterministic=False, window_size=(-1, -1),
+    softcap=0.0, sinks=None,
+):
     torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flashattn.bwd: dout/out must match q")
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=k.device),
         torch.empty(v.shape, dtype=v.dtype, device=v.device),
+        torch.empty((q.shape[1] if sinks is not None else 0,), dtype=torch.float32, device=q.device),
     )
 
 
@@ -78,26 +105,30 @@ def _bwd_fake(dout, q, k, v, out, lse, causal=False, scale=None, dlse=None, dete
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, window_size, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.causal = causal
     ctx.scale = scale
+    ctx.window_size = window_size
+    ctx.softcap = softcap
 
 
 def _fwd_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     if dout is None:  # only lse was used downstream
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:  # autograd hands out expanded grads (e.g. of out.sum()); the kernels need rows
         dout = dout.contiguous()
     if dlse is not None:
         dlse = dlse.contiguous()
-    dq, dk, dv = torch.ops.flashattn.bwd(
-        dout, q, k, v, out, lse, ctx.causal, ctx.scale, dlse, torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv, dsinks = torch.ops.flashattn.bwd(
+        dout, q, k, v, out, lse, ctx.causal, ctx.scale, dlse, torch.are_deterministic_algorithms_enabled(),
+        ctx.window_size, ctx.softcap, sinks,
     )
     needs = ctx.needs_input_grad
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, None)
+    grads = (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None)
+    return tuple(g if need else None for g, need in zip(grads, needs))
 
 
 def _bwd_setup_context(ctx, inputs, output):

@@ -29,18 +29,24 @@ def reference_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def visible_mask(len_q: int, len_k: int, causal: bool, device) -> Tensor:
-    """(Lq, Lk) bool: query i sees key j (bottom-right aligned causal: j <= i + Lk - Lq)."""
+def visible_mask(len_q: int, len_k: int, causal: bool, device, window_size=(-1, -1)) -> Tensor:
+    """(Lq, Lk) bool: query i sees key j. With shift = Lk - Lq: j >= i + shift - left where left >= 0, and
+    j <= i + shift + right where right >= 0; causal sets right = 0 (bottom-right aligned)."""
     i = torch.arange(len_q, device=device)[:, None]
     j = torch.arange(len_k, device=device)[None, :]
-    if not causal:
-        return torch.ones(len_q, len_k, dtype=torch.bool, device=device)
-    return j <= i + (len_k - len_q)
+    left, right = window_size
+    right = 0 if causal else right
+    mask = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        mask &= j >= i + (len_k - len_q) - left
+    if right >= 0:
+        mask &= j <= i + (len_k - len_q) + right
+    return mask
 
 
-def rows_with_keys(len_q: int, len_k: int, causal: bool, device) -> Tensor:
+def rows_with_keys(len_q: int, len_k: int, causal: bool, device, window_size=(-1, -1)) -> Tensor:
     """(Lq,) bool: the query rows that see at least one key."""
-    return visible_mask(len_q, len_k, causal, device).any(dim=-1)
+    return visible_mask(len_q, len_k, causal, device, window_size).any(dim=-1)
 
 
 def repeat_kv(t: Tensor, heads: int) -> Tensor:
@@ -50,14 +56,23 @@ def repeat_kv(t: Tensor, heads: int) -> Tensor:
 
 
 def attention_ref(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, upcast: bool = True
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    upcast: bool = True,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """Naive softmax(scale * q k^T) v, materialising the scores.
+    """Naive softmax(scale * q k^T) v, materialising the scores, with the window, softcap and sinks of flashattn.fwd.
 
     upcast=True computes in float32 (float64 for float64 inputs) and returns out in that dtype; upcast=False computes
     in the input dtype, like PyTorch's own low-precision path, and returns out in it. lse (natural log, (B, H, Lq)) is
     always reduced in the reference dtype from the scores of the chosen path. A row that sees no key (causal with
-    Lq > Lk, or Lk == 0) gets out = 0 and lse = -inf.
+    Lq > Lk, a window, or Lk == 0) gets out = 0 and lse = -inf, or lse = its sink with sinks. Differentiable in
+    q, k, v and sinks.
     """
     if upcast:
         acc = reference_dtype(q.dtype)
@@ -68,19 +83,32 @@ def attention_ref(
     k, v = repeat_kv(k, heads), repeat_kv(v, heads)
 
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    visible = visible_mask(len_q, len_k, causal, q.device)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = visible_mask(len_q, len_k, causal, q.device, window_size)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more column per row: the sink's logit, with no value row
+        sink_col = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
     lse = torch.logsumexp(scores.to(reference_dtype(scores.dtype)), dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    # softmax of an all -inf row is NaN; such a row attends to nothing.
-    probs = probs.masked_fill(~visible.any(dim=-1)[:, None], 0.0)
+    if sinks is not None:
+        probs = probs[..., :len_k]
+    else:  # softmax of an all -inf row is NaN; such a row attends to nothing.
+        probs = probs.masked_fill(~visible.any(dim=-1)[:, None], 0.0)
     return torch.matmul(probs, v), lse
 
 
-def sdpa_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None) -> Tensor:
-    """torch SDPA with our semantics (bottom-right causal, GQA). Rows that see no key are unspecified (NaN or 0)."""
+def sdpa_ref(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None, window_size=(-1, -1)
+) -> Tensor:
+    """torch SDPA with our semantics (bottom-right causal, GQA, windows as a boolean mask). Rows that see no key are
+    unspecified (NaN or 0)."""
     len_q, len_k = q.shape[2], k.shape[2]
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    if tuple(window_size) != (-1, -1):
+        mask = visible_mask(len_q, len_k, causal, q.device, window_size)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if causal and len_q != len_k:
         with warnings.catch_warnings():  # "will produce NaNs when seq_len_q > seq_len_kv": those rows are ignored
             warnings.simplefilter("ignore")
@@ -132,30 +160,45 @@ def truth_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def assert_attention_close(
-    out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None
+    out: Tensor,
+    lse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> None:
-    """Check out and lse of flashattn.fwd(q, k, v, causal, scale) against the references.
+    """Check out and lse of flashattn.fwd(q, k, v, causal, scale, window_size, softcap, sinks) against the references.
 
-    out: vs the naive reference (attention_ref on inputs upcast to truth_dtype) and vs SDPA on the same upcast
-    inputs, each within ERROR_FACTOR x the error of PyTorch's low-precision paths (naive and SDPA, in the input
-    dtype) + OUT_FLOOR. lse: vs logsumexp of the reference scores. Rows that see no key: out exactly 0 and
-    lse exactly -inf (SDPA's output on those rows is ignored).
+    out: vs the naive reference (attention_ref on inputs upcast to truth_dtype) and, without softcap and sinks, vs
+    SDPA on the same upcast inputs, each within ERROR_FACTOR x the error of PyTorch's low-precision paths (naive and
+    SDPA, in the input dtype) + OUT_FLOOR. lse: vs logsumexp of the reference scores. Rows that see no key: out
+    exactly 0 and lse exactly -inf, or exactly the sink (SDPA's output on those rows is ignored).
     """
     assert_output_properties(out, lse, q)
     len_q, len_k = q.shape[2], k.shape[2]
-    keyed = rows_with_keys(len_q, len_k, causal, q.device)
+    keyed = rows_with_keys(len_q, len_k, causal, q.device, window_size)
     assert (out[:, :, ~keyed] == 0).all(), "rows without keys must be exactly 0"
-    assert (lse[:, :, ~keyed] == float("-inf")).all(), "rows without keys must have lse = -inf"
+    keyless_lse = float("-inf") if sinks is None else sinks.float()[None, :, None].expand_as(lse)[:, :, ~keyed]
+    assert (lse[:, :, ~keyed] == keyless_lse).all(), "rows without keys must have lse = -inf (or the sink)"
     if out.numel() == 0 or not keyed.any():
         return
 
+    mods = dict(window_size=window_size, softcap=softcap, sinks=sinks)
     hi = truth_dtype(q.dtype)
     q_hi, k_hi, v_hi = q.to(hi), k.to(hi), v.to(hi)
-    ref_out, ref_lse = attention_ref(q_hi, k_hi, v_hi, causal, scale)
-    sdpa_out = sdpa_ref(q_hi, k_hi, v_hi, causal, scale)
-    low_precision = [attention_ref(q, k, v, causal, scale, upcast=False)[0], sdpa_ref(q, k, v, causal, scale)]
+    ref_out, ref_lse = attention_ref(q_hi, k_hi, v_hi, causal, scale, **mods)
+    low_precision = [attention_ref(q, k, v, causal, scale, upcast=False, **mods)[0]]
+    with_sdpa = softcap == 0 and sinks is None
+    if with_sdpa:
+        low_precision.append(sdpa_ref(q, k, v, causal, scale, window_size))
     assert_error_within(out, ref_out, low_precision, keyed, "out vs naive reference")
-    assert_error_within(out, sdpa_out, low_precision, keyed, "out vs SDPA reference")
+    if with_sdpa:
+        sdpa_out = sdpa_ref(q_hi, k_hi, v_hi, causal, scale, window_size)
+        assert_error_within(out, sdpa_out, low_precision, keyed, "out vs SDPA reference")
 
     tol = LSE_TOL[q.dtype]
     torch.testing.assert_close(
@@ -181,14 +224,23 @@ def attention_grads(
     causal: bool = False,
     scale: Optional[float] = None,
     upcast: bool = True,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) by autograd through attention_ref (same upcast rule), for the gradients dout of out and dlse of
-    lse (either may be None: not used downstream). Gradients come back in the dtype the path computed in."""
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, ...]:
+    """(dq, dk, dv), and dsinks with sinks, by autograd through attention_ref (same upcast rule), for the gradients
+    dout of out and dlse of lse (either may be None: not used downstream). Gradients come back in the dtype the path
+    computed in (dsinks in the reference dtype)."""
     if upcast:
         acc = reference_dtype(q.dtype)
         q, k, v = q.to(acc), k.to(acc), v.to(acc)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = attention_ref(q, k, v, causal, scale, upcast=False)
+    inputs = (q, k, v)
+    if sinks is not None:
+        sinks = sinks.detach().to(reference_dtype(q.dtype)).requires_grad_()
+        inputs += (sinks,)
+    out, lse = attention_ref(q, k, v, causal, scale, upcast=False, window_size=window_size, softcap=softcap,
+                             sinks=sinks)
     outputs, grads = [], []
     if dout is not None:
         outputs.append(out)
@@ -196,19 +248,19 @@ def attention_grads(
     if dlse is not None:
         outputs.append(lse)
         grads.append(dlse.to(lse.dtype))
-    return torch.autograd.grad(outputs, (q, k, v), grads, allow_unused=True, materialize_grads=True)
+    return torch.autograd.grad(outputs, inputs, grads, allow_unused=True, materialize_grads=True)
 
 
-def assert_grad_properties(grads: tuple[Tensor, Tensor, Tensor], q: Tensor, k: Tensor, v: Tensor) -> None:
+def assert_grad_properties(grads: tuple[Tensor, ...], q: Tensor, k: Tensor, v: Tensor) -> None:
     """dq, dk, dv: the shapes, dtype and device of q, k, v; contiguous; finite."""
-    for name, grad, like in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+    for name, grad, like in zip(("dq", "dk", "dv"), grads[:3], (q, k, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype and grad.device == like.device, name
         assert grad.is_contiguous(), f"{name} must be allocated contiguous"
         assert torch.isfinite(grad).all(), f"{name} has NaN or inf"
 
 
 def assert_grads_close(
-    grads: tuple[Tensor, Tensor, Tensor],
+    grads: tuple[Tensor, ...],
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -216,8 +268,12 @@ def assert_grads_close(
     dlse: Optional[Tensor] = None,
     causal: bool = False,
     scale: Optional[float] = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> None:
-    """Check (dq, dk, dv) of flashattn for the output gradients (dout, dlse) against the references.
+    """Check (dq, dk, dv), and dsinks with sinks, of flashattn for the output gradients (dout, dlse) against the
+    references.
 
     Each gradient vs autograd through the naive reference on inputs upcast to truth_dtype, within ERROR_FACTOR x
     the error of autograd through the naive path in the input dtype + GRAD_FLOOR (relative, see above). dq of the
@@ -225,16 +281,19 @@ def assert_grads_close(
     """
     assert_grad_properties(grads, q, k, v)
     len_q, len_k = q.shape[2], k.shape[2]
-    keyed = rows_with_keys(len_q, len_k, causal, q.device)
+    keyed = rows_with_keys(len_q, len_k, causal, q.device, window_size)
     assert (grads[0][:, :, ~keyed] == 0).all(), "dq of rows without keys must be exactly 0"
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or (k.numel() == 0 and sinks is None):
         return
 
     hi = truth_dtype(q.dtype)
     up = lambda t: None if t is None else t.to(hi)  # noqa: E731
-    truth = attention_grads(up(q), up(k), up(v), up(dout), up(dlse), causal, scale)
-    low_precision = attention_grads(q, k, v, dout, dlse, causal, scale, upcast=False)
-    for name, grad, ref, low in zip(("dq", "dk", "dv"), grads, truth, low_precision):
+    mods = dict(window_size=window_size, softcap=softcap, sinks=sinks)
+    truth = attention_grads(up(q), up(k), up(v), up(dout), up(dlse), causal, scale, **mods)
+    low_precision = attention_grads(q, k, v, dout, dlse, causal, scale, upcast=False, **mods)
+    names = ("dq", "dk", "dv", "dsinks")[: len(truth)]
+    assert len(grads) >= len(truth), "dsinks missing"
+    for name, grad, ref, low in zip(names, grads, truth, low_precision):
         floor = GRAD_FLOOR[grad.dtype] * max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
         assert_error_within(grad, ref, [low], None, f"{name} vs naive reference", floor=floor)
 

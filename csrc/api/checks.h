@@ -63,6 +63,46 @@ inline double resolve_scale(std::optional<double> scale, int64_t head_dim, const
   return value;
 }
 
+// The score modifications of one call, checked and put in the one form every backend works with: causal folded into
+// the band (right = 0), and a bound that leaves every key of every row visible dropped (-1), so that a band equal
+// to plain causal, or to no mask, runs the plain kernels.
+struct ScoreMods {
+  int64_t left = -1, right = -1;  // the band: query i sees key j iff i + shift - left <= j <= i + shift + right
+  double softcap = 0.0;           // > 0: scores are softcap * tanh(score / softcap)
+  std::optional<at::Tensor> sinks;
+  bool causal() const { return left < 0 && right == 0; }      // exactly the bottom-right causal mask
+  bool window() const { return left >= 0 || right > 0; }      // a band other than causal (or none)
+  bool plain() const { return !window() && softcap == 0.0 && !sinks.has_value(); }
+};
+
+inline ScoreMods check_score_mods(const at::Tensor& q, const AttentionShape& s, bool causal,
+                                  at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks,
+                                  const char* op = "flashattn.fwd") {
+  TORCH_CHECK(window_size.size() == 2, op, ": window_size must be (left, right), got ", window_size.size(),
+              " values");
+  TORCH_CHECK(window_size[0] >= -1 && window_size[1] >= -1, op,
+              ": window_size entries must be >= 0, or -1 for unbounded; got (", window_size[0], ", ", window_size[1],
+              ")");
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, op, ": softcap must be finite and >= 0 (0: off), got ",
+              softcap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == s.heads, op, ": sinks must have shape (H,) = (", s.heads,
+                ",), got ", sinks->sizes());
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat, op, ": sinks must be float32, got ", sinks->scalar_type());
+    TORCH_CHECK(sinks->device() == q.device(), op, ": sinks must be on q's device ", q.device(), ", got ",
+                sinks->device());
+  }
+  ScoreMods mods;
+  mods.left = window_size[0];
+  mods.right = causal ? 0 : window_size[1];
+  // Row Lq - 1 has the highest lower bound (Lk - 1 - left), row 0 the lowest upper bound (Lk - Lq + right).
+  if (mods.left >= s.len_k - 1) mods.left = -1;
+  if (mods.right >= s.len_q - 1) mods.right = -1;
+  mods.softcap = softcap;
+  mods.sinks = sinks;
+  return mods;
+}
+
 // The backward's extra tensors must match what fwd produced for these q, k, v.
 inline AttentionShape check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,

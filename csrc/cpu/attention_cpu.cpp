@@ -62,15 +62,32 @@ RowMatrix<T> head_slice(const at::Tensor& t, int64_t b, int64_t h) {
   return {static_cast<T*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1), t.stride(2)};
 }
 
-// Keys visible to query row i are [0, key_end(i)): all of them, or with the bottom-right causal mask those with
-// j <= i + Lk - Lq. May be <= 0 (the row sees no key) when Lq > Lk.
-inline int64_t key_end(int64_t i, const AttentionShape& s, bool causal) {
-  return causal ? std::min(s.len_k, i + s.len_k - s.len_q + 1) : s.len_k;
-}
+// The keys query row i sees, [key_begin(i), key_end(i)) (empty when key_begin >= key_end), and the rows that see a
+// key range: the band of ScoreMods (causal is right = 0). Both bounds are non-decreasing in i.
+struct Band {
+  int64_t len_q, len_k, shift, left, right;
+  Band(const AttentionShape& s, const ScoreMods& mods)
+      : len_q(s.len_q), len_k(s.len_k), shift(s.len_k - s.len_q), left(mods.left), right(mods.right) {}
+  int64_t key_begin(int64_t i) const { return left < 0 ? 0 : std::clamp<int64_t>(i + shift - left, 0, len_k); }
+  int64_t key_end(int64_t i) const { return right < 0 ? len_k : std::clamp<int64_t>(i + shift + right + 1, 0, len_k); }
+  // Rows [first, last) see at least one of the keys [k_begin, k_end).
+  int64_t first_row_seeing(int64_t k_begin) const {
+    return right < 0 ? 0 : std::clamp<int64_t>(k_begin - shift - right, 0, len_q);
+  }
+  int64_t row_end_seeing(int64_t k_end) const {
+    return left < 0 ? len_q : std::clamp<int64_t>(k_end - 1 - shift + left + 1, 0, len_q);
+  }
+};
 
-// The first query row that sees key j (key_end is non-decreasing in i, so every later row sees it too).
-inline int64_t first_query_seeing(int64_t j, const AttentionShape& s, bool causal) {
-  return causal ? std::max<int64_t>(0, j - (s.len_k - s.len_q)) : 0;
+// Gemma 2's cap of the (scaled) scores: softcap * tanh(s / softcap); nothing when softcap is 0.
+template <typename acc_t>
+void cap_scores(acc_t* scores, int64_t rows, int64_t cols, double softcap) {
+  if (softcap == 0.0) return;
+  const acc_t cap = static_cast<acc_t>(softcap), inv_cap = static_cast<acc_t>(1.0 / softcap);
+  for (int64_t r = 0; r < rows; ++r) {
+    acc_t* row = scores + r * kBlockN;
+    for (int64_t c = 0; c < cols; ++c) row[c] = cap * std::tanh(row[c] * inv_cap);
+  }
 }
 
 // tile[r][x] = mul * src.row(begin + r)[x] for `rows` rows: a (rows, D) opmath tile.
@@ -150,11 +167,13 @@ void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, 
   }
 }
 
-// Computes rows [q_begin, q_end) of one (batch, head): out = softmax(scale * q k^T) v, lse = m + log(l).
+// Computes rows [q_begin, q_end) of one (batch, head): out = softmax(scale * q k^T) v, lse = m + log(l), with the
+// band, softcap and the head's sink (`sink`: -inf without sinks) applied.
 template <typename scalar_t>
 void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                         at::Tensor& lse, const AttentionShape& s, int64_t b, int64_t h, int64_t q_begin, int64_t q_end,
-                        bool causal, double scale, FwdScratch<at::opmath_type<scalar_t>>& tmp) {
+                        const Band& band, double softcap, float sink, double scale,
+                        FwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t d = s.head_dim;
   const int64_t rows = q_end - q_begin;
@@ -167,25 +186,40 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
   std::fill(tmp.m.begin(), tmp.m.end(), -std::numeric_limits<acc_t>::infinity());
   std::fill(tmp.l.begin(), tmp.l.end(), acc_t(0));
 
-  // The last row of the block sees the most keys; key blocks past its limit are fully masked and never loaded.
-  const int64_t block_key_end = std::max<int64_t>(0, key_end(q_end - 1, s, causal));
-  for (int64_t k_begin = 0; k_begin < block_key_end; k_begin += kBlockN) {
+  // The block's rows see keys [first row's begin, last row's end); key blocks outside are never loaded.
+  const int64_t block_key_begin = band.key_begin(q_begin);
+  const int64_t block_key_end = band.key_end(q_end - 1);
+  for (int64_t k_begin = block_key_begin; k_begin < block_key_end; k_begin += kBlockN) {
     const int64_t cols = std::min(kBlockN, block_key_end - k_begin);
     load_rows_transposed(k_mat, k_begin, cols, d, tmp.k_t.data());
     load_rows(v_mat, k_begin, cols, d, tmp.v.data());
     block_scores(tmp.q.data(), tmp.k_t.data(), tmp.p.data(), rows, cols, d);
+    cap_scores(tmp.p.data(), rows, cols, softcap);
     for (int64_t r = 0; r < rows; ++r) {
-      // Causal: only the first `visible` keys of this block are visible to the row (none on blocks right of it).
-      const int64_t visible = std::min(cols, key_end(q_begin + r, s, causal) - k_begin);
-      if (visible <= 0) continue;
-      online_softmax_row(tmp.p.data() + r * kBlockN, tmp.v.data(), tmp.acc.data() + r * d, tmp.m[r], tmp.l[r],
-                         visible, d);
+      // The row's visible keys in this block: columns [first, last).
+      const int64_t first = std::max<int64_t>(0, band.key_begin(q_begin + r) - k_begin);
+      const int64_t last = std::min(cols, band.key_end(q_begin + r) - k_begin);
+      if (last <= first) continue;
+      online_softmax_row(tmp.p.data() + r * kBlockN + first, tmp.v.data() + first * d, tmp.acc.data() + r * d,
+                         tmp.m[r], tmp.l[r], last - first, d);
     }
   }
 
-  // Normalise. Only a row that saw no key has l == 0 (a visible key adds exp(0) = 1 or a NaN): it returns zeros and
-  // lse = -inf. Every other row divides, so a NaN score, a +inf one (inf - inf) or only -inf ones (NaN from
-  // exp(-inf - -inf)) give NaN out and NaN lse, as softmax does.
+  // The sink joins the denominator: l grows by exp(sink - m) against the row's base m, which moves to the sink where
+  // that is larger (or the row saw no key).
+  if (sink != -std::numeric_limits<float>::infinity()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t m_new = std::max(tmp.m[r], static_cast<acc_t>(sink));
+      const acc_t rescale = tmp.l[r] != 0 ? std::exp(tmp.m[r] - m_new) : acc_t(0);
+      tmp.l[r] = tmp.l[r] * rescale + std::exp(static_cast<acc_t>(sink) - m_new);
+      for (int64_t x = 0; x < d; ++x) tmp.acc[r * d + x] *= rescale;
+      tmp.m[r] = m_new;
+    }
+  }
+
+  // Normalise. Only a row that saw no key (and has no sink) has l == 0 (a visible key adds exp(0) = 1 or a NaN): it
+  // returns zeros and lse = -inf. Every other row divides, so a NaN score, a +inf one (inf - inf) or only -inf ones
+  // (NaN from exp(-inf - -inf)) give NaN out and NaN lse, as softmax does.
   const auto out_mat = head_slice<scalar_t>(out, b, h);
   float* lse_row = lse.data_ptr<float>() + b * lse.stride(0) + h * lse.stride(1);
   for (int64_t r = 0; r < rows; ++r) {
@@ -200,7 +234,10 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
 
 template <typename scalar_t>
 void fwd_cpu_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                    const AttentionShape& s, bool causal, double scale) {
+                    const AttentionShape& s, const ScoreMods& mods, double scale) {
+  const Band band(s, mods);
+  const at::Tensor sinks = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
+  const float* sink_of = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   const int64_t q_blocks = (s.len_q + kBlockM - 1) / kBlockM;
   const int64_t work_items = s.batch * s.heads * q_blocks;
   // grain 1: a work item already costs kBlockM * Lk * D multiply-adds (or is a decode row of a long cache).
@@ -211,24 +248,28 @@ void fwd_cpu_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t bh = item / q_blocks;
       const int64_t q_begin = q_block * kBlockM;
       const int64_t q_end = std::min(s.len_q, q_begin + kBlockM);
-      attend_query_block<scalar_t>(q, k, v, out, lse, s, bh / s.heads, bh % s.heads, q_begin, q_end, causal, scale,
-                                   tmp);
+      const int64_t h = bh % s.heads;
+      const float sink = sink_of ? sink_of[h] : -std::numeric_limits<float>::infinity();
+      attend_query_block<scalar_t>(q, k, v, out, lse, s, bh / s.heads, h, q_begin, q_end, band, mods.softcap, sink,
+                                   scale, tmp);
     }
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           bool causal, std::optional<double> scale) {
+                                           bool causal, std::optional<double> scale, at::IntArrayRef window_size,
+                                           double softcap, const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_fwd_inputs(q, k, v);
   check_cpu_dtype(q.scalar_type(), "flashattn.fwd");
   const double softmax_scale = resolve_scale(scale, s.head_dim);
+  const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks);
 
   at::Tensor out = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
   at::Tensor lse = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_cpu", [&] {
-    fwd_cpu_kernel<scalar_t>(q, k, v, out, lse, s, causal, softmax_scale);
+    fwd_cpu_kernel<scalar_t>(q, k, v, out, lse, s, mods, softmax_scale);
   });
   return {out, lse};
 }
@@ -239,13 +280,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
 //   dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = scale dS K,   dK = scale dS^T Q.
 // (dlse enters through d lse_i / d S_ij = P_ij: it adds P * dlse to dS.) dK and dV of a kv head sum over the query
 // heads of its group. A row with lse = -inf (one that sees no key, as fwd returns it) has P = 0: it is skipped
-// outright, so whatever its dout or dlse holds never turns into 0 * inf = NaN.
+// outright, so whatever its dout or dlse holds never turns into 0 * inf = NaN. With softcap, S is the capped score
+// c tanh(S0 / c) and dS carries the factor 1 - tanh^2 on its way back to S0. A sink only enters through lse (its
+// probability exp(sink - lse) is the part of the denominator no key takes): d sink = -sum_i exp(sink - lse_i) D_i.
 
 // Per-row inputs of the backward, (B, H, Lq) contiguous in the accumulation type (lse and dlse may have any strides).
 template <typename acc_t>
 struct RowStats {
-  std::vector<acc_t> lse;    // the saved logsumexp, -inf for a row that sees no key
-  std::vector<acc_t> delta;  // rowsum(dO * O) - dlse
+  std::vector<acc_t> lse;     // the saved logsumexp, -inf for a row that sees no key
+  std::vector<acc_t> delta;   // rowsum(dO * O) - dlse
+  std::vector<acc_t> dsinks;  // per head, with sinks
   int64_t heads, len_q;
   const acc_t* lse_of(int64_t b, int64_t h) const { return lse.data() + (b * heads + h) * len_q; }
   const acc_t* delta_of(int64_t b, int64_t h) const { return delta.data() + (b * heads + h) * len_q; }
@@ -253,10 +297,11 @@ struct RowStats {
 
 template <typename scalar_t>
 RowStats<at::opmath_type<scalar_t>> row_stats(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
-                                              const std::optional<at::Tensor>& dlse, const AttentionShape& s) {
+                                              const std::optional<at::Tensor>& dlse,
+                                              const std::optional<at::Tensor>& sinks, const AttentionShape& s) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows_total = s.batch * s.heads * s.len_q;
-  RowStats<acc_t> stats{std::vector<acc_t>(rows_total), std::vector<acc_t>(rows_total), s.heads, s.len_q};
+  RowStats<acc_t> stats{std::vector<acc_t>(rows_total), std::vector<acc_t>(rows_total), {}, s.heads, s.len_q};
   // The start of the (Lq,) row of a (B, H, Lq) float tensor for (b, h); its elements are stride(2) apart.
   const auto float_row = [](const at::Tensor& t, int64_t b, int64_t h) {
     return t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
@@ -279,6 +324,24 @@ RowStats<at::opmath_type<scalar_t>> row_stats(const at::Tensor& dout, const at::
       }
     }
   });
+  if (sinks.has_value()) {  // one thread per head, rows in order: deterministic
+    const at::Tensor sink = sinks->contiguous();
+    stats.dsinks.assign(s.heads, acc_t(0));
+    at::parallel_for(0, s.heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t h = begin; h < end; ++h) {
+        const acc_t sink_h = static_cast<acc_t>(sink.data_ptr<float>()[h]);
+        acc_t sum = 0;
+        for (int64_t b = 0; b < s.batch; ++b) {
+          const acc_t* lse_bh = stats.lse_of(b, h);
+          const acc_t* delta_bh = stats.delta_of(b, h);
+          for (int64_t i = 0; i < s.len_q; ++i) {
+            if (lse_bh[i] != -std::numeric_limits<acc_t>::infinity()) sum += std::exp(sink_h - lse_bh[i]) * delta_bh[i];
+          }
+        }
+        stats.dsinks[h] = -sum;
+      }
+    });
+  }
   return stats;
 }
 
@@ -287,15 +350,16 @@ template <typename acc_t>
 struct BwdScratch {
   explicit BwdScratch(int64_t d)
       : q(kBlockM * d), dout(kBlockM * d), k_t(d * kBlockN), v_t(d * kBlockN), k(kBlockN * d),
-        p(kBlockM * kBlockN), ds(kBlockM * kBlockN), visible(kBlockM), acc_a(std::max(kBlockM, kBlockN) * d),
+        p(kBlockM * kBlockN), ds(kBlockM * kBlockN), first(kBlockM), visible(kBlockM), acc_a(std::max(kBlockM, kBlockN) * d),
         acc_b(kBlockN * d) {}
   std::vector<acc_t> q;          // (kBlockM, D) query rows, pre-multiplied by the scale (as in the forward)
   std::vector<acc_t> dout;       // (kBlockM, D) their output gradients
   std::vector<acc_t> k_t, v_t;   // (D, kBlockN) keys and values, transposed for block_scores
   std::vector<acc_t> k;          // (kBlockN, D) keys as rows, for dQ += dS K (query pass only)
-  std::vector<acc_t> p;          // (kBlockM, kBlockN) scores, then probabilities P
+  std::vector<acc_t> p;          // (kBlockM, kBlockN) (capped) scores, then probabilities P
   std::vector<acc_t> ds;         // (kBlockM, kBlockN) dP = dO V^T, then dS
-  std::vector<int64_t> visible;  // per query row, how many leading keys of the key block it sees (0: none)
+  std::vector<int64_t> first;    // per query row, the first key of the key block it sees...
+  std::vector<int64_t> visible;  // ...and the end of those keys (first == visible: none)
   std::vector<acc_t> acc_a;      // key pass: (kBlockN, D) dK; query pass: (kBlockM, D) dQ / scale
   std::vector<acc_t> acc_b;      // key pass: (kBlockN, D) dV
 };
@@ -303,33 +367,43 @@ struct BwdScratch {
 // The tile of one (query block, key block) pair, shared by both passes. Expects q, dout, k_t, v_t loaded; leaves P in
 // tmp.p, dS in tmp.ds and the visible key count of each row in tmp.visible (entries past it are not written).
 template <typename acc_t>
-void probs_and_score_grads(BwdScratch<acc_t>& tmp, const AttentionShape& s, bool causal, int64_t q_begin,
-                           int64_t rows, int64_t k_begin, int64_t cols, const acc_t* lse, const acc_t* delta) {
+void probs_and_score_grads(BwdScratch<acc_t>& tmp, const AttentionShape& s, const Band& band, double softcap,
+                           int64_t q_begin, int64_t rows, int64_t k_begin, int64_t cols, const acc_t* lse,
+                           const acc_t* delta) {
   const int64_t d = s.head_dim;
   block_scores(tmp.q.data(), tmp.k_t.data(), tmp.p.data(), rows, cols, d);      // S, bitwise as in the forward
+  cap_scores(tmp.p.data(), rows, cols, softcap);
   block_scores(tmp.dout.data(), tmp.v_t.data(), tmp.ds.data(), rows, cols, d);  // dP
+  const acc_t inv_cap = softcap > 0.0 ? static_cast<acc_t>(1.0 / softcap) : acc_t(0);
   for (int64_t r = 0; r < rows; ++r) {
     const acc_t row_lse = lse[q_begin + r];
-    const int64_t seen = std::clamp<int64_t>(key_end(q_begin + r, s, causal) - k_begin, 0, cols);
-    const int64_t visible = row_lse == -std::numeric_limits<acc_t>::infinity() ? 0 : seen;
-    tmp.visible[r] = visible;
+    const int64_t first = std::clamp<int64_t>(band.key_begin(q_begin + r) - k_begin, 0, cols);
+    const int64_t last = std::clamp<int64_t>(band.key_end(q_begin + r) - k_begin, 0, cols);
+    const bool keyless = row_lse == -std::numeric_limits<acc_t>::infinity() || last <= first;
+    tmp.first[r] = keyless ? 0 : first;
+    tmp.visible[r] = keyless ? 0 : last;
     acc_t* p_row = tmp.p.data() + r * kBlockN;
     acc_t* ds_row = tmp.ds.data() + r * kBlockN;
     const acc_t row_delta = delta[q_begin + r];
-    for (int64_t c = 0; c < visible; ++c) {
-      p_row[c] = std::exp(p_row[c] - row_lse);
+    for (int64_t c = tmp.first[r]; c < tmp.visible[r]; ++c) {
+      const acc_t score = p_row[c];
+      p_row[c] = std::exp(score - row_lse);
       ds_row[c] = p_row[c] * (ds_row[c] - row_delta);
+      if (softcap > 0.0) {
+        const acc_t t = score * inv_cap;  // tanh of the uncapped score over the cap
+        ds_row[c] *= acc_t(1) - t * t;
+      }
     }
   }
 }
 
 // dK and dV of keys [k_begin, k_begin + cols) of kv head h_kv: over the query heads of its group and every query
-// block that sees at least one of the keys (causal: the blocks above the first row that sees k_begin are skipped).
+// block that sees at least one of the keys (the band's other blocks are skipped).
 template <typename scalar_t>
 void key_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      at::Tensor& dk, at::Tensor& dv, const RowStats<at::opmath_type<scalar_t>>& stats,
-                     const AttentionShape& s, int64_t b, int64_t h_kv, int64_t k_begin, int64_t cols, bool causal,
-                     double scale, BwdScratch<at::opmath_type<scalar_t>>& tmp) {
+                     const AttentionShape& s, int64_t b, int64_t h_kv, int64_t k_begin, int64_t cols,
+                     const Band& band, double softcap, double scale, BwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t d = s.head_dim;
   const int64_t group = s.heads / s.heads_kv;
@@ -340,22 +414,24 @@ void key_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   std::fill(dk_acc, dk_acc + cols * d, acc_t(0));
   std::fill(dv_acc, dv_acc + cols * d, acc_t(0));
 
-  const int64_t q_first = first_query_seeing(k_begin, s, causal) / kBlockM * kBlockM;
+  const int64_t q_first = band.first_row_seeing(k_begin) / kBlockM * kBlockM;
+  const int64_t q_end = band.row_end_seeing(k_begin + cols);
   for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
     const auto q_mat = head_slice<const scalar_t>(q, b, h);
     const auto do_mat = head_slice<const scalar_t>(dout, b, h);
-    for (int64_t q_begin = q_first; q_begin < s.len_q; q_begin += kBlockM) {
+    for (int64_t q_begin = q_first; q_begin < q_end; q_begin += kBlockM) {
       const int64_t rows = std::min(kBlockM, s.len_q - q_begin);
       load_rows(q_mat, q_begin, rows, d, tmp.q.data(), static_cast<acc_t>(scale));
       load_rows(do_mat, q_begin, rows, d, tmp.dout.data());
-      probs_and_score_grads(tmp, s, causal, q_begin, rows, k_begin, cols, stats.lse_of(b, h), stats.delta_of(b, h));
+      probs_and_score_grads(tmp, s, band, softcap, q_begin, rows, k_begin, cols, stats.lse_of(b, h),
+                            stats.delta_of(b, h));
       // dV += P^T dO and dK += dS^T (scale Q): row r adds to the keys it sees.
       for (int64_t r = 0; r < rows; ++r) {
         const acc_t* p_row = tmp.p.data() + r * kBlockN;
         const acc_t* ds_row = tmp.ds.data() + r * kBlockN;
         const acc_t* do_row = tmp.dout.data() + r * d;
         const acc_t* q_row = tmp.q.data() + r * d;
-        for (int64_t c = 0; c < tmp.visible[r]; ++c) {
+        for (int64_t c = tmp.first[r]; c < tmp.visible[r]; ++c) {
           const acc_t p = p_row[c], ds = ds_row[c];
           acc_t* dv_row = dv_acc + c * d;
           acc_t* dk_row = dk_acc + c * d;
@@ -384,8 +460,8 @@ void key_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 template <typename scalar_t>
 void query_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& dq, const RowStats<at::opmath_type<scalar_t>>& stats, const AttentionShape& s,
-                       int64_t b, int64_t h, int64_t q_begin, int64_t rows, bool causal, double scale,
-                       BwdScratch<at::opmath_type<scalar_t>>& tmp) {
+                       int64_t b, int64_t h, int64_t q_begin, int64_t rows, const Band& band, double softcap,
+                       double scale, BwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t d = s.head_dim;
   const int64_t h_kv = h / (s.heads / s.heads_kv);
@@ -396,17 +472,18 @@ void query_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Te
   acc_t* dq_acc = tmp.acc_a.data();  // dS K; the scale is applied once at the end
   std::fill(dq_acc, dq_acc + rows * d, acc_t(0));
 
-  const int64_t block_key_end = std::max<int64_t>(0, key_end(q_begin + rows - 1, s, causal));
-  for (int64_t k_begin = 0; k_begin < block_key_end; k_begin += kBlockN) {
+  const int64_t block_key_end = band.key_end(q_begin + rows - 1);
+  for (int64_t k_begin = band.key_begin(q_begin); k_begin < block_key_end; k_begin += kBlockN) {
     const int64_t cols = std::min(kBlockN, block_key_end - k_begin);
     load_rows_transposed(k_mat, k_begin, cols, d, tmp.k_t.data());
     load_rows_transposed(v_mat, k_begin, cols, d, tmp.v_t.data());
     load_rows(k_mat, k_begin, cols, d, tmp.k.data());
-    probs_and_score_grads(tmp, s, causal, q_begin, rows, k_begin, cols, stats.lse_of(b, h), stats.delta_of(b, h));
+    probs_and_score_grads(tmp, s, band, softcap, q_begin, rows, k_begin, cols, stats.lse_of(b, h),
+                          stats.delta_of(b, h));
     for (int64_t r = 0; r < rows; ++r) {
       const acc_t* ds_row = tmp.ds.data() + r * kBlockN;
       acc_t* dq_row = dq_acc + r * d;
-      for (int64_t c = 0; c < tmp.visible[r]; ++c) {
+      for (int64_t c = tmp.first[r]; c < tmp.visible[r]; ++c) {
         const acc_t ds = ds_row[c];
         const acc_t* k_row = tmp.k.data() + c * d;
         for (int64_t x = 0; x < d; ++x) dq_row[x] += ds * k_row[x];
@@ -424,10 +501,14 @@ void query_block_grads(const at::Tensor& dout, const at::Tensor& q, const at::Te
 template <typename scalar_t>
 void bwd_cpu_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, const AttentionShape& s, bool causal,
-                    double scale) {
+                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dsinks, const AttentionShape& s,
+                    const ScoreMods& mods, double scale) {
   using acc_t = at::opmath_type<scalar_t>;
-  const RowStats<acc_t> stats = row_stats<scalar_t>(dout, out, lse, dlse, s);
+  const RowStats<acc_t> stats = row_stats<scalar_t>(dout, out, lse, dlse, mods.sinks, s);
+  for (int64_t h = 0; h < static_cast<int64_t>(stats.dsinks.size()); ++h) {
+    dsinks.data_ptr<float>()[h] = static_cast<float>(stats.dsinks[h]);
+  }
+  const Band band(s, mods);
 
   // grain 1 in both passes: a work item costs at least kBlockN (or kBlockM) * D multiply-adds per visible row/key.
   const int64_t k_blocks = (s.len_k + kBlockN - 1) / kBlockN;
@@ -437,7 +518,7 @@ void bwd_cpu_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tenso
       const int64_t k_begin = item % k_blocks * kBlockN;
       const int64_t bh = item / k_blocks;
       key_block_grads<scalar_t>(dout, q, k, v, dk, dv, stats, s, bh / s.heads_kv, bh % s.heads_kv, k_begin,
-                                std::min(kBlockN, s.len_k - k_begin), causal, scale, tmp);
+                                std::min(kBlockN, s.len_k - k_begin), band, mods.softcap, scale, tmp);
     }
   });
 
@@ -448,30 +529,34 @@ void bwd_cpu_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tenso
       const int64_t q_begin = item % q_blocks * kBlockM;
       const int64_t bh = item / q_blocks;
       query_block_grads<scalar_t>(dout, q, k, v, dq, stats, s, bh / s.heads, bh % s.heads, q_begin,
-                                  std::min(kBlockM, s.len_q - q_begin), causal, scale, tmp);
+                                  std::min(kBlockM, s.len_q - q_begin), band, mods.softcap, scale, tmp);
     }
   });
 }
 
 // `deterministic` is accepted and needs nothing: the CPU backward is deterministic by construction (see the top).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout, const at::Tensor& q,
-                                                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                                                       const at::Tensor& lse, bool causal, std::optional<double> scale,
-                                                       const std::optional<at::Tensor>& dlse, bool /*deterministic*/) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, std::optional<double> scale, const std::optional<at::Tensor>& dlse,
+    bool /*deterministic*/, at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
   check_cpu_dtype(q.scalar_type(), "flashattn.bwd");
   const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
+  const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, "flashattn.bwd");
 
-  if (s.empty() || s.len_k == 0) {  // nothing attends to anything: every gradient is zero
-    return {at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()), at::zeros(v.sizes(), v.options())};
+  at::Tensor dsinks = at::zeros({sinks.has_value() ? s.heads : 0}, q.options().dtype(at::kFloat));
+  if (s.empty()) {  // nothing attends to anything: every gradient is zero
+    return {at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()), at::zeros(v.sizes(), v.options()),
+            dsinks};
   }
+  // Every element is written: dK / dV by their key block's work item, dQ by its query block's (0 on keyless rows).
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_bwd_cpu", [&] {
-    bwd_cpu_kernel<scalar_t>(dout, q, k, v, out, lse, dlse, dq, dk, dv, s, causal, softmax_scale);
+    bwd_cpu_kernel<scalar_t>(dout, q, k, v, out, lse, dlse, dq, dk, dv, dsinks, s, mods, softmax_scale);
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsinks};
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // recomputes P from lse:
 //   P = exp(scale * Q K^T - lse),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - (rowsum(dO * O) - dlse)),
 //   dQ = scale * dS K,  dK = scale * dS^T Q.
+// It takes every score modification: the band masks P, softcap recomputes t = tanh(scale * Q K^T / softcap) for
+// P = exp(softcap * t - lse) and multiplies dS by 1 - t^2; sinks enter through lse alone.
 // GQA: the query heads of one kv head are stacked along the row axis, so dK/dV of that kv head come out summed over
 // its group without repeating K/V. The chunk order is fixed and nothing is accumulated atomically, so the result is
 // deterministic whenever cuBLAS is (torch.use_deterministic_algorithms(True) plus CUBLAS_WORKSPACE_CONFIG), and
@@ -27,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
                                                            const at::Tensor& k, const at::Tensor& v,
                                                            const at::Tensor& out, const at::Tensor& lse,
                                                            const std::optional<at::Tensor>& dlse,
-                                                           const AttentionShape& s, bool causal,
+                                                           const AttentionShape& s, const ScoreMods& mods,
                                                            double softmax_scale) {
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
@@ -70,17 +72,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
       const at::Tensor do_c = do_rows.narrow(1, r0, r1 - r0);
       const at::Tensor lse_c = lse_rows.narrow(1, r0, r1 - r0);
 
-      at::Tensor p = at::matmul(q_c, k_t).mul_(softmax_scale).sub_(lse_c).exp_();  // (Hk, C, Lk)
+      at::Tensor p = at::matmul(q_c, k_t).mul_(softmax_scale);  // (Hk, C, Lk) scores
+      at::Tensor tanh_scores;
+      if (mods.softcap > 0.0) {
+        tanh_scores = p.div_(mods.softcap).tanh_();
+        p = tanh_scores.mul(mods.softcap);
+      }
+      p.sub_(lse_c).exp_();
       // A row without any visible key has lse = -inf: its P row must be 0, not exp(nan).
       at::Tensor invisible = lse_c.isinf().expand_as(p);
-      if (causal) {
+      if (mods.left >= 0 || mods.right >= 0) {
         const at::Tensor query_index = at::arange(r0, r1, key_index.options()).remainder(s.len_q).unsqueeze(1);
-        invisible = invisible.logical_or(key_index.unsqueeze(0) > query_index + (s.len_k - s.len_q));
+        const at::Tensor diagonal = query_index + (s.len_k - s.len_q);
+        const at::Tensor keys = key_index.unsqueeze(0);
+        if (mods.right >= 0) invisible = invisible.logical_or(keys > diagonal + mods.right);
+        if (mods.left >= 0) invisible = invisible.logical_or(keys < diagonal - mods.left);
       }
       p.masked_fill_(invisible, 0.0);
 
       dv_b.add_(at::matmul(p.transpose(-1, -2), do_c));
       at::Tensor ds = at::matmul(do_c, v_t).sub_(delta_rows.narrow(1, r0, r1 - r0)).mul_(p);  // dS = P (dP - D)
+      if (mods.softcap > 0.0) ds.mul_(tanh_scores.square_().neg_().add_(1.0));
       dq_rows.narrow(1, r0, r1 - r0).copy_(at::matmul(ds, k_f).mul_(softmax_scale));
       dk_b.add_(at::matmul(ds.transpose(-1, -2), q_c).mul_(softmax_scale));
     }

@@ -14,7 +14,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
                                                            const at::Tensor& k, const at::Tensor& v,
                                                            const at::Tensor& out, const at::Tensor& lse,
                                                            const std::optional<at::Tensor>& dlse,
-                                                           const AttentionShape& s, bool causal,
+                                                           const AttentionShape& s, const ScoreMods& mods,
                                                            double softmax_scale);
 
 }  // namespace flashattn

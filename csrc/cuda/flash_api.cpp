@@ -92,6 +92,14 @@ void set_shape_and_scale(Params& p, const AttentionShape& s, double scale) {
                      : static_cast<float>(scale_log2);
 }
 
+// The score modifications as the kernels take them (params.h); `sinks` must outlive the launch.
+template <typename Params>
+void set_score_mods(Params& p, const ScoreMods& mods) {
+  p.window_left = static_cast<int>(std::min<int64_t>(mods.left, std::numeric_limits<int>::max()));
+  p.window_right = static_cast<int>(std::min<int64_t>(mods.right, std::numeric_limits<int>::max()));
+  p.softcap = static_cast<float>(mods.softcap);
+}
+
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                           const at::Tensor& lse, const AttentionShape& s, bool causal, double scale) {
   FwdParams p{};
@@ -140,14 +148,18 @@ bool tma_maps_inputs(const Params& p, bool is_bf16, c10::DeviceIndex device) {
 #endif
 }
 
-// The one place where runtime values become template parameters: dtype x head-dim bucket x causal, then the kernel the
-// plan chose (the Hopper one in the smallest of its head dims that holds the bucket).
-cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaStream_t stream) {
+// The one place where runtime values become template parameters: dtype x head-dim bucket x causal (or the options
+// variant), then the kernel the plan chose (the Hopper one in the smallest of its head dims that holds the bucket).
+cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, bool options, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_half_type(is_bf16, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_head_dim(bucket, [&](auto head_dim_tag) {
       constexpr int kBucket = decltype(head_dim_tag)::value;
+      if (options) {
+        err = sm80::run_fwd_sm80<T, kBucket, false, true>(params, stream);
+        return;
+      }
       dispatch_bool(params.causal, [&](auto causal_tag) {
         constexpr bool kCausal = decltype(causal_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
@@ -158,7 +170,7 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
           }
         }
 #endif
-        err = sm80::run_fwd_sm80<T, kBucket, kCausal>(params, stream);
+        err = sm80::run_fwd_sm80<T, kBucket, kCausal, false>(params, stream);
       });
     });
   });
@@ -166,10 +178,12 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            bool causal, std::optional<double> scale) {
+                                            bool causal, std::optional<double> scale, at::IntArrayRef window_size,
+                                            double softcap, const std::optional<at::Tensor>& sinks) {
   const AttentionShape s = check_fwd_inputs(q, k, v);
   check_cuda_inputs("flashattn.fwd", q, k, v, s);
   const double softmax_scale = resolve_scale(scale, s.head_dim);
+  const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks);
   const int bucket = head_dim_bucket(s.head_dim);
   TORCH_CHECK(head_dim_bucket_built(bucket), "flashattn.fwd: head dim ", s.head_dim, " needs bucket ", bucket,
               ", which this build left out (FLASHATTN_HEADDIMS at build time)");
@@ -179,21 +193,29 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   at::Tensor out = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
   at::Tensor lse = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
-  if (s.len_k == 0) {  // every row sees no key
+  if (s.len_k == 0) {  // every row sees no key: out = 0, lse = -inf or the row's sink
     out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
+    if (mods.sinks.has_value()) {
+      lse.copy_(mods.sinks->view({1, s.heads, 1}).expand_as(lse));
+    } else {
+      lse.fill_(-std::numeric_limits<float>::infinity());
+    }
     return {out, lse};
   }
 
-  FwdParams params = make_fwd_params(q, k, v, out, lse, s, causal, softmax_scale);
+  FwdParams params = make_fwd_params(q, k, v, out, lse, s, mods.causal(), softmax_scale);
+  set_score_mods(params, mods);
+  const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
+  params.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   FwdDevice device{};
   device.sm90 = sm90_device(q);
   device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  device.tma_maps_q_kv = fwd_wants_sm90(bucket, device, sw) && tma_maps_inputs(params, is_bf16, q.get_device());
+  // Windows, softcap and sinks run in the portable kernel's options variant.
+  const bool wants_sm90 = mods.plain() && fwd_wants_sm90(bucket, device, sw);
+  device.tma_maps_q_kv = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
-  TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw) ||
-                  params.plan.kernel == FwdKernel::kSm90,
+  TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel == FwdKernel::kSm90,
               "flashattn.fwd: FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k or v)");
 
@@ -212,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
       params.sk_partial = reinterpret_cast<float*>(base + params.plan.zeroed_bytes);
     }
   }
-  const cudaError_t err = launch_fwd(params, is_bf16, bucket, stream);
+  const cudaError_t err = launch_fwd(params, is_bf16, bucket, !mods.plain(), stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.fwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }
@@ -234,16 +256,23 @@ BwdParams make_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at:
 }
 
 // Which backward runs a call, decided once: the fused Hopper kernel where it can take the inputs, else the fused sm80
-// kernel up to its largest bucket, else the chunked backward (cuBLAS, float32).
+// kernel up to its largest bucket (its options variant for windows and softcap), else the chunked backward (cuBLAS,
+// float32).
 enum class BwdPath { kSm90, kSm80, kChunked };
 
-cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, BwdPath path,
+cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool options, BwdPath path,
                        cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_half_type(is_bf16, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_head_dim(bucket, [&](auto head_dim_tag) {
       constexpr int kBucket = decltype(head_dim_tag)::value;
+      if constexpr (kBucket <= kMaxFusedBwdSm80Bucket) {
+        if (options && path == BwdPath::kSm80) {
+          err = sm80::run_bwd_sm80<T, kBucket, false, true>(params, stream);
+          return;
+        }
+      }
       dispatch_bool(causal, [&](auto causal_tag) {
         constexpr bool kCausal = decltype(causal_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
@@ -254,7 +283,7 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
         }
 #endif
         if constexpr (kBucket <= kMaxFusedBwdSm80Bucket) {
-          if (path == BwdPath::kSm80) err = sm80::run_bwd_sm80<T, kBucket, kCausal>(params, stream);
+          if (path == BwdPath::kSm80) err = sm80::run_bwd_sm80<T, kBucket, kCausal, false>(params, stream);
         }
       });
     });
@@ -262,27 +291,38 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
   return err;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
-                                                        const at::Tensor& k, const at::Tensor& v,
-                                                        const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                                        std::optional<double> scale,
-                                                        const std::optional<at::Tensor>& dlse, bool deterministic) {
-  const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
-  check_cuda_inputs("flashattn.bwd", q, k, v, s);
-  const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
-  const Switches& sw = switches();
-  const c10::cuda::CUDAGuard device_guard(q.device());
+// d sink_h = -sum over the rows of head h of exp(sink_h - lse_i) (rowsum(dO * O)_i - dlse_i), in float32 and a fixed
+// reduction order (deterministic); rows with lse = -inf contribute nothing.
+at::Tensor sink_grads(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                      const std::optional<at::Tensor>& dlse, const at::Tensor& sinks) {
+  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
+  if (dlse.has_value()) delta = delta - *dlse;
+  const at::Tensor sink_prob = (sinks.view({1, -1, 1}) - lse).exp_().masked_fill_(lse.isneginf(), 0.0);
+  return (sink_prob * delta).sum(at::IntArrayRef{0, 2}).neg_();
+}
 
+// dQ, dK, dV: by a fused kernel where one takes the call, else by the chunked backward.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Tensor& dout, const at::Tensor& q,
+                                                                    const at::Tensor& k, const at::Tensor& v,
+                                                                    const at::Tensor& out, const at::Tensor& lse,
+                                                                    const AttentionShape& s, const ScoreMods& mods,
+                                                                    double softmax_scale,
+                                                                    const std::optional<at::Tensor>& dlse,
+                                                                    bool deterministic) {
+  const Switches& sw = switches();
+  const bool causal = mods.causal();
   const int bucket = head_dim_bucket(s.head_dim);
   if (sw.chunked_bwd || !head_dim_bucket_built(bucket) || s.empty() || s.len_k == 0) {
-    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
+    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
-  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
+  // Windows and softcap run in the portable kernel's options variant (sinks only change lse: any kernel takes them).
+  const bool options = mods.window() || mods.softcap > 0.0;
+  const bool wants_sm90 = !options && sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
   // The fused kernels add dQ up across CTAs in an order that varies, except the Hopper kernel up to D128 with its dQ
   // semaphores: deterministic=True takes that or the chunked backward.
   const bool ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128;
   if ((deterministic && !ordered_dq) || (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket)) {
-    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
+    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
   // Gradients can arrive as arbitrary views (e.g. a narrow of a concatenation); the fused kernels need 16-byte rows.
   const auto aligned = [](const at::Tensor& t) {
@@ -291,6 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const at::Tensor dout_rows = aligned(dout);
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   BwdParams params = make_bwd_inputs(dout_rows, q, k, v, s, softmax_scale);
+  set_score_mods(params, mods);
   const bool sm90_maps = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
   TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90_maps,
               "flashattn.bwd: FLASHATTN_BWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
@@ -298,7 +339,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   const BwdPath path = sm90_maps                                       ? BwdPath::kSm90
                        : !deterministic && bucket <= kMaxFusedBwdSm80Bucket ? BwdPath::kSm80
                                                                             : BwdPath::kChunked;
-  if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, causal, softmax_scale);
+  if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
 
   const at::Tensor out_rows = aligned(out);
   const at::Tensor lse_rows = lse.contiguous();
@@ -338,9 +379,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
   params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
-  err = launch_bwd(params, is_bf16, bucket, causal, path, stream);
+  err = launch_bwd(params, is_bf16, bucket, causal, options, path, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {dq_accum.to(q.scalar_type()), dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, std::optional<double> scale, const std::optional<at::Tensor>& dlse,
+    bool deterministic, at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks) {
+  const AttentionShape s = check_bwd_inputs(dout, q, k, v, out, lse, dlse);
+  check_cuda_inputs("flashattn.bwd", q, k, v, s);
+  const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
+  const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, "flashattn.bwd");
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  auto [dq, dk, dv] = bwd_fused_or_chunked(dout, q, k, v, out, lse, s, mods, softmax_scale, dlse, deterministic);
+  at::Tensor dsinks = mods.sinks.has_value() ? sink_grads(dout, out, lse, dlse, *mods.sinks)
+                                             : at::empty({0}, q.options().dtype(at::kFloat));
+  return {dq, dk, dv, dsinks};
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Declarations of the kernel launchers. Each templated (dtype, head dim, causal) launcher is instantiated in its own
+// Declarations of the kernel launchers. Each templated (dtype, head dim, variant) launcher is instantiated in its own
 // generated file under csrc/cuda/instantiations/ (generate_instantiations.py), so that the build compiles them in
 // parallel. Each launches on the given stream, never synchronises, and returns the first CUDA error.
 #pragma once
@@ -10,10 +10,11 @@
 namespace flashattn {
 
 namespace sm80 {
-template <typename T, int HeadDim, bool kCausal>
+// kOptions: the variants with a sliding window, softcap and sinks (the params' score modifications; kCausal false).
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 
-template <typename T, int HeadDim, bool kCausal>
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
 
 cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);

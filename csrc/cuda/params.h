@@ -47,6 +47,14 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): the kernels work in exp2
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
 
+  // Score modifications (the kernels' "options" variants; the plain ones ignore them). The band: query i sees key j
+  // iff i + shift - window_left <= j <= i + shift + window_right, shift = len_k - len_q, -1 unbounded (causal is
+  // folded in as window_right = 0). softcap > 0: scores are softcap * tanh(scale * q·k / softcap). sinks: float32
+  // (heads,), a logit per query head in the softmax denominator, or null.
+  int window_left, window_right;
+  float softcap;
+  const float* __restrict__ sinks;
+
   // The Hopper forward's schedule state (tile_scheduler.h), set up by flash_api.cpp as the plan asks: tile_counter,
   // a zeroed int32 from which the causal kernels take their tiles (null: zigzag rounds); sk_flags, 2 * num_sms * 8
   // int32 zeroed per call (a lock and a "ready" flag per CTA boundary, consumer and warp of a stream-K split, whose grid
@@ -88,6 +96,9 @@ struct BwdParams {
   int heads_per_kv;
   float scale;       // multiplies q·k
   float scale_log2;  // scale * log2(e)
+  // As FwdParams' (the sinks enter only through lse, which includes them).
+  int window_left, window_right;
+  float softcap;
 };
 
 // rowsum(dO * O) - dlse for every query row (the backward's "D" vector).

@@ -207,11 +207,11 @@ def test_minus_inf_lse_rows_contribute_nothing(device, dtype):
     dropped[[0, 31, 32, 50]] = True
     lse = lse.clone()
     lse[:, :, dropped] = float("-inf")
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, False, None, dlse)
+    dq, dk, dv, _ = bwd(dout, q, k, v, out, lse, False, None, dlse)
     assert_grad_properties((dq, dk, dv), q, k, v)
     assert (dq[:, :, dropped] == 0).all()
     kept = ~dropped
-    dq_kept, dk_kept, dv_kept = bwd(
+    dq_kept, dk_kept, dv_kept, _ = bwd(
         dout[:, :, kept], q[:, :, kept], k, v, out[:, :, kept], lse[:, :, kept], False, None, dlse[:, :, kept]
     )
     for grad, want in zip((dq[:, :, kept], dk, dv), (dq_kept, dk_kept, dv_kept)):

@@ -7,6 +7,8 @@
 //   dV += P^T dO,  dK += dS^T Q                         (each warp, its 16 keys, no synchronisation)
 //   dQ (this block's share) = dS K * scale              (dS^T staged in shared memory; fp32 atomics to dq_accum)
 // Working with S^T (keys as rows) makes P^T and dS^T the A operands of the dV/dK GEMMs straight from registers.
+// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges, and with
+// softcap recomputes t = tanh(scale * S / softcap) for P = exp(softcap * t - lse) and dS = P (dP - delta) (1 - t^2).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +16,7 @@
 #include <cmath>
 
 #include "cuda/params.h"
+#include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile_io.h"
 
@@ -39,8 +42,9 @@ struct BwdTraits {
   static_assert(kBlockM == kNWarps * 16, "the dQ GEMM gives each warp 16 query rows");
 };
 
-template <typename T, typename Traits, bool kCausal>
+template <typename T, typename Traits, bool kCausal, bool kOptions>
 __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const __grid_constant__ BwdParams p) {
+  static_assert(!(kCausal && kOptions), "the options variant carries causal in its band");
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -68,10 +72,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   const int lane = threadIdx.x % 32;
   const int causal_shift = p.len_k - p.len_q;  // query i sees keys j <= i + causal_shift
 
-  // Query blocks that see at least one of these keys: all, or under the causal mask those from the first query
-  // i with i + causal_shift >= n_start.
-  const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int m_block_first = kCausal ? max(0, n_start - causal_shift) / kBlockM : 0;
+  const int left = kOptions ? p.window_left : -1;
+  const int right = kCausal ? 0 : kOptions ? p.window_right : -1;
+
+  // Query blocks that see at least one of these keys: under the band's right edge (the causal mask) those from the
+  // first query i with i + causal_shift + right >= n_start, under its left edge those up to the last query i with
+  // i + causal_shift - left <= n_start + kBlockN - 1.
+  const int m_block_first = right < 0 ? 0 : max(0, n_start - causal_shift - right) / kBlockM;
+  const int m_row_end = left < 0 ? p.len_q : max(0, min(p.len_q, n_start + kBlockN - causal_shift + left));
+  const int num_m_blocks = (m_row_end + kBlockM - 1) / kBlockM;
 
   const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
   const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
@@ -151,8 +160,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 
       // P^T and dS^T, packed to T in the A-fragment layout. Element (qt, i): key key_row0 + lane/4 + 8 (i/2),
       // query qt * 8 + 2 (lane % 4) + i % 2.
-      const bool needs_mask =
-          n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+      const bool needs_mask = n_start + kBlockN > p.len_k ||
+                              (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
+                              (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+      const bool softcap = kOptions && p.softcap > 0.f;
       uint32_t p_frag[kQTiles][2];
       uint32_t ds_frag[kQTiles][2];
 #pragma unroll
@@ -164,13 +175,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
           for (int c = 0; c < 2; ++c) {
             const int i = 2 * half + c;
             const int query = qt * 8 + 2 * (lane % 4) + c;  // inside the query block
-            float prob = fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
+            float tanh_score = 0.f;
+            if (softcap) tanh_score = tanh_exp2(acc_s[qt][i] * (p.scale / p.softcap));
+            float prob = softcap ? fast_exp2(fmaf(tanh_score, p.softcap * kLog2e, -s_lse[query]))
+                                 : fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
             if (needs_mask) {
               const int key = n_start + key_row0 + lane / 4 + 8 * half;
-              if (key >= p.len_k || (kCausal && key > m_start + query + causal_shift)) prob = 0.f;
+              const int diagonal = m_start + query + causal_shift;
+              if (key >= p.len_k || (right >= 0 && key > diagonal + right) ||
+                  (kOptions && left >= 0 && key < diagonal - left)) {
+                prob = 0.f;
+              }
             }
             pv[c] = prob;
             dsv[c] = prob * (acc_dp[qt][i] - s_delta[query]);
+            if (softcap) dsv[c] *= 1.f - tanh_score * tanh_score;
           }
           p_frag[qt][half] = pack2<T>(pv[0], pv[1]);
           ds_frag[qt][half] = pack2<T>(dsv[0], dsv[1]);
@@ -260,10 +279,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 }
 
 // Launches the fused backward on `stream` (dq_accum zeroed and delta computed beforehand); never synchronises.
-template <typename T, int HeadDim, bool kCausal>
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<HeadDim>;
-  auto kernel = flash_bwd_kernel<T, Traits, kCausal>;
+  auto kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

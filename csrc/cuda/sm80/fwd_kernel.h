@@ -4,11 +4,13 @@
 // the CTA walks the K/V blocks the block can see, and each warp keeps the online-softmax state (running max,
 // running sum, fp32 output accumulator) of its own 16 * kMTiles query rows in registers. Normalisation is
 // deferred to the end. K/V tiles past the sequence end or head dim are zero-filled by cp.async, so only the
-// blocks that cross the sequence end or the causal diagonal pay for masking.
+// blocks that cross the sequence end or the causal diagonal pay for masking. The options variant (kOptions) adds the
+// band of a sliding window (key blocks outside it never loaded, only its edge blocks masked), softcap and sinks.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 
 #include "cuda/params.h"
@@ -61,9 +63,10 @@ __device__ __forceinline__ void store_rows(T* gmem, int64_t row_stride, const T*
   }
 }
 
-template <typename T, typename Traits, bool kCausal>
+template <typename T, typename Traits, bool kCausal, bool kOptions>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
+  static_assert(!(kCausal && kOptions), "the options variant carries causal in its band");
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -91,10 +94,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   const int m_start = m_block * kBlockM;
   const int m_end = min(m_start + kBlockM, p.len_q);
   const int causal_shift = p.len_k - p.len_q;  // query i sees keys j <= i + causal_shift
+  const int left = kOptions ? p.window_left : -1;
+  const int right = kCausal ? 0 : kOptions ? p.window_right : -1;
 
-  // Keys this block can see: [0, n_end).
-  const int n_end = kCausal ? max(0, min(p.len_k, m_end + causal_shift)) : p.len_k;
-  const int num_n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  // Keys this block can see: [n_begin, n_end), in key blocks first_n_block .. num_n_blocks - 1.
+  const int n_begin = left < 0 ? 0 : min(p.len_k, max(0, m_start + causal_shift - left));
+  const int n_end = right < 0 ? p.len_k : max(0, min(p.len_k, m_end + causal_shift + right));
+  const int first_n_block = n_begin / kBlockN;
+  const int num_n_blocks = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_n_block;
 
   const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
   const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
@@ -106,9 +113,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   // and proves every warp is done with block j - 1, whose stage receives block j + 1 at once. One barrier per
   // block lets warps drift apart, so one warp's softmax runs under another's MMAs.
   load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, p.len_q, p.head_dim);
-  if (num_n_blocks > 0) {
-    load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, 0, n_end, p.head_dim);
-    load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, 0, n_end, p.head_dim);
+  if (num_n_blocks > first_n_block) {
+    load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, first_n_block * kBlockN, n_end, p.head_dim);
+    load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, first_n_block * kBlockN, n_end, p.head_dim);
   }
   cp_async_commit();
 
@@ -136,11 +143,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   const int k_frag_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
   const int v_frag_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
 
-  const bool negate = p.scale_log2 < 0.f;
-  const float scale_log2 = fabsf(p.scale_log2);
+  // With softcap the scores become tanh(scale * q·k / softcap), and the softmax takes them times softcap (> 0).
+  const bool softcap = kOptions && p.softcap > 0.f;
+  const float cap_scale = softcap ? p.scale / p.softcap : 0.f;
+  const bool negate = !softcap && p.scale_log2 < 0.f;
+  const float scale_log2 = softcap ? p.softcap * 1.4426950408889634f : fabsf(p.scale_log2);
 
-  for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
-    const int stage = n_block % Traits::kStages;
+  for (int n_block = first_n_block; n_block < num_n_blocks; ++n_block) {
+    const int stage = (n_block - first_n_block) % Traits::kStages;
     const T* sK_stage = sK + stage * Traits::kSmemKV;
     const T* sV_stage = sV + stage * Traits::kSmemKV;
     const int n_start = n_block * kBlockN;
@@ -183,27 +193,40 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       }
     }
 
-    // Mask keys past the end and, on the diagonal, keys after each query's limit. The scale is applied inside
-    // the exp2 below (one FFMA per score); a negative scale is handled by negating the scores here, so the row
-    // maxima below are always maxima of scale * score.
-    const bool needs_mask =
-        n_start + kBlockN > p.len_k || (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+    if (softcap) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = tanh_exp2(acc_s[mt][nt][i] * cap_scale);
+        }
+      }
+    }
+    // Mask keys past the end and, on the band's edges (the causal diagonal), keys outside each query's range. The
+    // scale is applied inside the exp2 below (one FFMA per score); a negative scale is handled by negating the scores
+    // here, so the row maxima below are always maxima of scale * score.
+    const bool needs_mask = n_start + kBlockN > p.len_k ||
+                            (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
+                            (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
     if (needs_mask || negate) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          // Last key this row may see, relative to this thread's first column in the block.
+          // The keys this row may see, relative to this thread's first column in the block.
+          const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
           int last_col = p.len_k - 1;
-          if (kCausal) last_col = min(last_col, m_start + warp_row0 + mt * 16 + lane / 4 + half * 8 + causal_shift);
+          if (right >= 0) last_col = min(last_col, row + causal_shift + right);
           last_col -= n_start + 2 * (lane % 4);
+          const int first_col = left < 0 ? INT_MIN : row + causal_shift - left - n_start - 2 * (lane % 4);
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
               float& s = acc_s[mt][nt][2 * half + c];
               if (negate) s = -s;
-              if (nt * 8 + c > last_col) s = -INFINITY;
+              if (nt * 8 + c > last_col || (kOptions && nt * 8 + c < first_col)) s = -INFINITY;
             }
           }
         }
@@ -293,14 +316,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
-      const bool sees_keys = row_sees_keys<kCausal>(row, causal_shift);
-      const float inv = sees_keys ? 1.f / sum : 0.f;  // a row without keys: out = 0
+      const bool sees_keys = kOptions ? row_sees_band(row, causal_shift, left, right, p.len_k)
+                                      : row_sees_keys<kCausal>(row, causal_shift);
+      float base = row_max[mt][half] * scale_log2;
+      float keep = 1.f;
+      if (kOptions && p.sinks != nullptr) keep = add_sink(p.sinks[head], base, sum);
+      const float inv = sees_keys ? keep / sum : 0.f;  // a row without keys: out = 0
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         acc_o[mt][dt][2 * half] *= inv;
         acc_o[mt][dt][2 * half + 1] *= inv;
       }
-      if (lane % 4 == 0 && row < p.len_q) lse_base[row] = row_lse(sees_keys, row_max[mt][half] * scale_log2, sum);
+      if (lane % 4 == 0 && row < p.len_q) {
+        // A row without keys has its sink's logit as lse, exactly.
+        lse_base[row] = kOptions && p.sinks != nullptr && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum);
+      }
     }
   }
   __syncwarp();
@@ -319,10 +349,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 }
 
 // Launches the forward on `stream`; returns the first CUDA error (attribute or launch), never synchronises.
-template <typename T, int HeadDim, bool kCausal>
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim>;
-  auto kernel = flash_fwd_kernel<T, Traits, kCausal>;
+  auto kernel = flash_fwd_kernel<T, Traits, kCausal, kOptions>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

@@ -1,0 +1,308 @@
+"""Sliding windows, softcap and sinks: forward and gradients against the fp64/fp32 naive reference on every device
+(reference.py's accuracy rule), the rows they leave without keys, and their argument checks."""
+import math
+
+import pytest
+import torch
+
+import flashattn_ext
+from reference import (
+    assert_attention_close,
+    assert_grads_close,
+    attention_ref,
+    leaves,
+    make_qkv,
+    rows_with_keys,
+    steer_scores,
+)
+
+fwd = torch.ops.flashattn.fwd
+bwd = torch.ops.flashattn.bwd
+
+WINDOWS = [(0, 0), (16, 0), (127, 0), (64, 64), (-1, 32), (300, -1)]
+WINDOW_IDS = [f"w{left}_{right}" for left, right in WINDOWS]
+# (Lq, Lk): equal odd lengths, Lq < Lk (decode-like and long), Lq > Lk (rows without keys under causal windows).
+LENGTHS = [(97, 97), (7, 300), (257, 129), (1, 65), (1025, 1025)]
+LENGTH_IDS = [f"q{a}-k{b}" for a, b in LENGTHS]
+
+
+def make_sinks(heads, device, low=-1.0, high=3.0):
+    return torch.empty(heads, device=device).uniform_(low, high)
+
+
+def run_fwd(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, sinks=None):
+    out, lse = fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)
+    assert_attention_close(out, lse, q, k, v, causal, scale, window_size, softcap, sinks)
+    return out, lse
+
+
+def run_grads(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, with_lse=True):
+    q, k, v = leaves(q, k, v)
+    inputs = (q, k, v)
+    if sinks is not None:
+        sinks = sinks.detach().requires_grad_()
+        inputs += (sinks,)
+    out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal, scale, window_size, softcap, sinks)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_lse else None
+    outputs, grads_out = (out, lse) if with_lse else (out,), (dout, dlse) if with_lse else (dout,)
+    grads = torch.autograd.grad(outputs, inputs, grads_out)
+    assert_grads_close(grads, q, k, v, dout, dlse, causal, scale, window_size, softcap, sinks)
+    return grads
+
+
+# ---- windows ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("len_q,len_k", LENGTHS, ids=LENGTH_IDS)
+@pytest.mark.parametrize("window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.dtypes(cpu=[torch.float32, torch.bfloat16])
+def test_window_forward(device, dtype, causal, window, len_q, len_k):
+    q, k, v = make_qkv(1, 4, 2, len_q, len_k, 64, dtype, device)
+    run_fwd(q, k, v, causal, None, window)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("window", [(16, 0), (64, 64), (300, -1)], ids=["w16_0", "w64_64", "w300_-1"])
+@pytest.mark.dtypes(cpu=[torch.float32])
+def test_window_head_dims(device, dtype, window, head_dim):
+    q, k, v = make_qkv(2, 2, 1, 333, 400, head_dim, dtype, device, layout="seq_major")
+    run_fwd(q, k, v, False, None, window)
+
+
+@pytest.mark.parametrize("len_q,len_k", [(97, 97), (257, 129), (7, 300)], ids=["q97-k97", "q257-k129", "q7-k300"])
+@pytest.mark.parametrize("window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_window_grads(device, dtype, causal, window, len_q, len_k):
+    q, k, v = make_qkv(2, 4, 2, len_q, len_k, 64, dtype, device)
+    run_grads(q, k, v, causal, None, window)
+
+
+@pytest.mark.parametrize("head_dim", [32, 128, 256])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
+def test_window_grads_head_dims(device, dtype, head_dim):
+    q, k, v = make_qkv(1, 2, 2, 300, 300, head_dim, dtype, device)
+    run_grads(q, k, v, True, None, (100, 0))
+
+
+def test_window_equal_to_causal_is_causal():
+    # (-1, 0) is the causal mask, and a window wider than the sequence is no mask: bitwise the plain results.
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 32, torch.float32, "cpu")
+    assert torch.equal(fwd(q, k, v, False, None, [-1, 0])[0], fwd(q, k, v, True)[0])
+    assert torch.equal(fwd(q, k, v, True, None, [89, 5])[0], fwd(q, k, v, True)[0])
+    assert torch.equal(fwd(q, k, v, False, None, [89, 69])[0], fwd(q, k, v)[0])
+
+
+def test_window_rows_without_keys_cpu():
+    # Lq > Lk with a window (0, 0): the first Lq - Lk rows see no key; their out is 0, lse -inf, dq 0.
+    q, k, v = make_qkv(1, 1, 1, 20, 8, 16, torch.float64, "cpu")
+    out, lse = run_fwd(q, k, v, False, None, (0, 0))
+    keyed = rows_with_keys(20, 8, False, "cpu", (0, 0))
+    assert keyed.sum() == 8 and not keyed[:12].any()
+    run_grads(q, k, v, False, None, (0, 0))
+
+
+@pytest.mark.parametrize("window", [(3, 2), (0, -1), (-1, 1)], ids=["w3_2", "w0_-1", "w-1_1"])
+def test_window_gradcheck(window):
+    q, k, v = leaves(*make_qkv(1, 2, 1, 9, 11, 4, torch.float64, "cpu"))
+    assert torch.autograd.gradcheck(lambda q, k, v: flashattn_ext.flash_attn(q, k, v, window_size=window), (q, k, v))
+
+
+# ---- softcap ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0], ids=["cap1", "cap30"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.dtypes(cpu=[torch.float32, torch.bfloat16])
+def test_softcap_forward(device, dtype, head_dim, causal, softcap):
+    q, k, v = make_qkv(2, 4, 2, 200, 333, head_dim, dtype, device)
+    # Peaked scores (scale 2.0): the cap changes the softmax a lot.
+    run_fwd(q, k, v, causal, 2.0, (-1, -1), softcap)
+
+
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_softcap_peaked_profile(device, dtype):
+    # Scores far past the cap in both directions: without the cap one key would take the whole row.
+    scale = 0.125
+    q, k, v = make_qkv(1, 2, 2, 64, 256, 64, torch.float32, device)
+    profile = torch.linspace(-200, 200, 256, device=device)
+    q, k = steer_scores(q, k, profile, scale)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, _ = run_fwd(q, k, v, False, scale, (-1, -1), 5.0)
+    plain = fwd(q, k, v, False, scale)[0]
+    assert (out.float() - plain.float()).abs().max() > 0.1, "the cap must change a peaked softmax"
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0], ids=["cap1", "cap30"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
+def test_softcap_grads(device, dtype, causal, softcap):
+    q, k, v = make_qkv(2, 4, 2, 157, 200, 64, dtype, device)
+    run_grads(q, k, v, causal, 2.0, (-1, -1), softcap)
+
+
+def test_softcap_gradcheck():
+    q, k, v = leaves(*make_qkv(1, 2, 1, 9, 11, 4, torch.float64, "cpu"))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flashattn_ext.flash_attn(q, k, v, scale=3.0, softcap=1.5), (q, k, v)
+    )
+
+
+# ---- sinks --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("len_q,len_k", [(97, 97), (1, 513), (200, 70)], ids=["q97-k97", "q1-k513", "q200-k70"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.dtypes(cpu=[torch.float32, torch.bfloat16])
+def test_sinks_forward(device, dtype, causal, len_q, len_k):
+    q, k, v = make_qkv(2, 4, 1, len_q, len_k, 64, dtype, device)
+    run_fwd(q, k, v, causal, None, (-1, -1), 0.0, make_sinks(4, device))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
+def test_sinks_grads(device, dtype, causal):
+    q, k, v = make_qkv(2, 4, 2, 200, 170, 64, dtype, device)  # causal: rows 0..29 see no key, only their sink
+    grads = run_grads(q, k, v, causal, None, (-1, -1), 0.0, make_sinks(4, device))
+    assert grads[3].dtype == torch.float32 and grads[3].shape == (4,)
+
+
+def test_sinks_gradcheck():
+    q, k, v = leaves(*make_qkv(1, 2, 1, 9, 6, 4, torch.float64, "cpu"))
+    sinks = make_sinks(2, "cpu").double().requires_grad_()
+
+    def f(q, k, v, sinks):
+        out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, True, None, (2, 0), 0.0, sinks.float())
+        return out, lse.double()
+
+    # lse is float32: a central difference over 2 * eps needs eps = 1e-3 and atol = 2e-3 (as test_bwd's lse check).
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks), eps=1e-3, atol=2e-3)
+
+
+def test_sinks_only_rows_without_keys():
+    # Lk == 0: every row sees only its sink: out 0, lse = sink, and dsinks = sum of dlse.
+    q, k, v = make_qkv(2, 3, 3, 5, 0, 8, torch.float32, "cpu")
+    sinks = make_sinks(3, "cpu")
+    out, lse = fwd(q, k, v, False, None, [-1, -1], 0.0, sinks)
+    assert (out == 0).all() and torch.equal(lse, sinks[None, :, None].expand_as(lse))
+    dlse = torch.randn_like(lse)
+    _, _, _, dsinks = bwd(torch.randn_like(out), q, k, v, out, lse, False, None, dlse, False, [-1, -1], 0.0, sinks)
+    torch.testing.assert_close(dsinks, dlse.sum((0, 2)))
+
+
+def test_sinks_minus_infinity_is_no_sink():
+    q, k, v = make_qkv(1, 2, 2, 40, 30, 16, torch.float32, "cpu")
+    sinks = torch.full((2,), float("-inf"))
+    with_sinks = fwd(q, k, v, True, None, [-1, -1], 0.0, sinks)
+    plain = fwd(q, k, v, True)
+    assert torch.equal(with_sinks[0], plain[0]) and torch.equal(with_sinks[1], plain[1])
+
+
+# ---- combinations -------------------------------------------------------------------------------------------------
+
+COMBOS = {
+    # id: (causal, window, softcap, with sinks)
+    "window-softcap": (True, (64, 0), 20.0, False),
+    "window-sinks": (False, (32, 32), 0.0, True),
+    "softcap-sinks": (True, (-1, -1), 5.0, True),
+    "all": (True, (127, 0), 30.0, True),
+    "all-two-sided": (False, (16, 200), 2.0, True),
+}
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.parametrize("len_q,len_k", [(300, 300), (129, 260), (260, 129)], ids=["q300", "q129-k260", "q260-k129"])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_combinations(device, dtype, combo, len_q, len_k):
+    causal, window, softcap, with_sinks = COMBOS[combo]
+    q, k, v = make_qkv(1, 4, 2, len_q, len_k, 128, dtype, device)
+    sinks = make_sinks(4, device) if with_sinks else None
+    run_fwd(q, k, v, causal, 1.5, window, softcap, sinks)
+    run_grads(q, k, v, causal, 1.5, window, softcap, sinks)
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+def test_combinations_deterministic(device, dtype, combo, deterministic_algorithms):
+    causal, window, softcap, with_sinks = COMBOS[combo]
+    q, k, v = make_qkv(2, 4, 2, 300, 300, 64, dtype, device)
+    sinks = make_sinks(4, device) if with_sinks else None
+    out, lse = fwd(q, k, v, causal, None, list(window), softcap, sinks)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    first = bwd(dout, q, k, v, out, lse, causal, None, dlse, True, list(window), softcap, sinks)
+    second = bwd(dout, q, k, v, out, lse, causal, None, dlse, True, list(window), softcap, sinks)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_reference_agrees_with_sdpa_mask():
+    # The reference's sink column equals an explicit softmax over [scores, sink] (guards the checker itself).
+    q, k, v = make_qkv(1, 2, 2, 5, 7, 4, torch.float64, "cpu")
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, sinks=sinks)
+    scores = q @ k.transpose(-1, -2) / 2.0
+    full = torch.cat([scores, sinks[None, :, None, None].expand(1, 2, 5, 1)], -1)
+    torch.testing.assert_close(out, torch.softmax(full, -1)[..., :7] @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(full, -1))
+
+
+# ---- compile, opcheck and bad arguments ---------------------------------------------------------------------------
+
+
+def test_compile_fullgraph_with_mods(device):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float32 if device == "cpu" else torch.bfloat16, device)
+    sinks = make_sinks(2, device).requires_grad_()
+    q, k, v = leaves(q, k, v)
+
+    def f(q, k, v, sinks):
+        return flashattn_ext.flash_attn(q, k, v, True, None, (16, 0), 10.0, sinks).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    want = torch.autograd.grad(f(q, k, v, sinks), (q, k, v, sinks))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_opcheck_with_mods(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(1, 4, 2, 33, 40, 32, dtype, device)
+    sinks = make_sinks(4, device)
+    kwargs = dict(causal=True, window_size=[8, 0], softcap=5.0, sinks=sinks)
+    torch.library.opcheck(torch.ops.flashattn.fwd.default, (q, k, v), kwargs)
+    out, lse = fwd(q, k, v, True, None, [8, 0], 5.0, sinks)
+    args = (torch.randn_like(out), q, k, v, out, lse)
+    torch.library.opcheck(
+        torch.ops.flashattn.bwd.default, args, dict(causal=True, window_size=[8, 0], softcap=5.0, sinks=sinks)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(window_size=[-2, 0]), "window_size entries must be >= 0, or -1"),
+        (dict(window_size=[0, 0, 0]), "window_size must be"),
+        (dict(softcap=-1.0), "softcap must be finite and >= 0"),
+        (dict(softcap=math.inf), "softcap must be finite and >= 0"),
+        (dict(sinks=torch.zeros(3)), r"sinks must have shape \(H,\)"),
+        (dict(sinks=torch.zeros(4, dtype=torch.float64)), "sinks must be float32"),
+    ],
+    ids=["window-neg", "window-len", "softcap-neg", "softcap-inf", "sinks-shape", "sinks-dtype"],
+)
+def test_bad_mods(device, kwargs, message):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(1, 4, 2, 8, 8, 32, dtype, device)
+    if "sinks" in kwargs:
+        kwargs = dict(kwargs, sinks=kwargs["sinks"].to(device))
+    with pytest.raises(RuntimeError, match=message):
+        fwd(q, k, v, **kwargs)
+
+
+@pytest.mark.cuda
+def test_sinks_on_the_wrong_device():
+    q, k, v = make_qkv(1, 4, 2, 8, 8, 32, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="sinks must be on q's device"):
+        fwd(q, k, v, sinks=torch.zeros(4))
