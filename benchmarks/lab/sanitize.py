@@ -2,9 +2,11 @@
 Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
 
 Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256] [--deterministic]
+[--options]
 
 --head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
-for a change to one of them: racecheck over every case takes about 150 s of device time on the H200.
+for a change to one of them: racecheck over every case takes about 150 s of device time on the H200. --options runs
+each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn.
 """
 import argparse
 import os
@@ -48,6 +50,16 @@ CASES = [  # (batch, heads, heads_kv, len_q, len_k, head_dim, causal)
 ]
 
 
+# Score modifications for --options, case i taking set i mod 4: a causal window, a two-sided one with softcap, a
+# left-only one with sinks, softcap with sinks.
+OPTION_SETS = [
+    dict(window_size=(37, 0)),
+    dict(window_size=(50, 20), softcap=5.0),
+    dict(window_size=(300, -1), sinks=True),
+    dict(softcap=30.0, sinks=True),
+]
+
+
 def bucket(head_dim):
     """The head dim of the Hopper kernels that run head_dim (kernel_table.h, sm90_kernel_head_dim: the smallest of 64,
     128 and 256 that holds it)."""
@@ -63,6 +75,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", default=None,
                         help="comma-separated buckets (64, 128, 256) whose cases run; default: every case")
+    parser.add_argument("--options", action="store_true", help="each case with windows, softcap or sinks")
     parser.add_argument("--deterministic", action="store_true",
                         help="under torch.use_deterministic_algorithms(True): the Hopper backward's ordered dQ")
     args = parser.parse_args()
@@ -73,12 +86,15 @@ def main():
     if head_dims is not None and not head_dims <= {64, 128, 256}:
         raise SystemExit(f"--head-dims: buckets are 64, 128 and 256, not {args.head_dims}")
     calls = 0
-    for batch, heads, heads_kv, len_q, len_k, head_dim, causal in select_cases(head_dims):
+    for index, (batch, heads, heads_kv, len_q, len_k, head_dim, causal) in enumerate(select_cases(head_dims)):
+        mods = dict(OPTION_SETS[index % len(OPTION_SETS)]) if args.options else {}
         for dtype in (torch.bfloat16, torch.float16):
+            if mods.get("sinks") is not None:
+                mods["sinks"] = torch.linspace(-1, 1, heads, device="cuda").requires_grad_()
             q = torch.randn(batch, heads, len_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
             k = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
             v = torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-            out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal)
+            out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal, **mods)
             assert out.shape == q.shape and lse.shape == (batch, heads, len_q)
             (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
             assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape

@@ -150,27 +150,27 @@ bool tma_maps_inputs(const Params& p, bool is_bf16, c10::DeviceIndex device) {
 
 // The one place where runtime values become template parameters: dtype x head-dim bucket x causal (or the options
 // variant), then the kernel the plan chose (the Hopper one in the smallest of its head dims that holds the bucket).
-cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, bool options, cudaStream_t stream) {
+cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_half_type(is_bf16, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
     dispatch_head_dim(bucket, [&](auto head_dim_tag) {
       constexpr int kBucket = decltype(head_dim_tag)::value;
-      if (options) {
-        err = sm80::run_fwd_sm80<T, kBucket, false, true>(params, stream);
-        return;
-      }
       dispatch_bool(params.causal, [&](auto causal_tag) {
         constexpr bool kCausal = decltype(causal_tag)::value;
+        dispatch_bool(params.options, [&](auto options_tag) {
+          constexpr bool kOptions = decltype(options_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
-        if constexpr (sm90_fwd_covers(kBucket)) {
-          if (params.plan.kernel == FwdKernel::kSm90) {
-            err = sm90::run_fwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal>(params, stream);
-            return;
+          if constexpr (sm90_fwd_covers(kBucket)) {
+            if (params.plan.kernel == FwdKernel::kSm90) {
+              err = sm90::run_fwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions>(params, stream);
+              return;
+            }
           }
-        }
 #endif
-        err = sm80::run_fwd_sm80<T, kBucket, kCausal, false>(params, stream);
+          // The portable options variant carries the whole band in its window (kCausal false).
+          err = sm80::run_fwd_sm80<T, kBucket, kCausal && !kOptions, kOptions>(params, stream);
+        });
       });
     });
   });
@@ -203,16 +203,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
     return {out, lse};
   }
 
-  FwdParams params = make_fwd_params(q, k, v, out, lse, s, mods.causal(), softmax_scale);
+  // Windows, softcap and sinks run in the kernels' options variants, whose causal means a band with a right edge.
+  FwdParams params = make_fwd_params(q, k, v, out, lse, s, mods.plain() ? mods.causal() : mods.right >= 0,
+                                     softmax_scale);
   set_score_mods(params, mods);
+  params.options = !mods.plain();
   const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   params.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   FwdDevice device{};
   device.sm90 = sm90_device(q);
   device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  // Windows, softcap and sinks run in the portable kernel's options variant.
-  const bool wants_sm90 = mods.plain() && fwd_wants_sm90(bucket, device, sw);
+  const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
   device.tma_maps_q_kv = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel == FwdKernel::kSm90,
@@ -234,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
       params.sk_partial = reinterpret_cast<float*>(base + params.plan.zeroed_bytes);
     }
   }
-  const cudaError_t err = launch_fwd(params, is_bf16, bucket, !mods.plain(), stream);
+  const cudaError_t err = launch_fwd(params, is_bf16, bucket, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.fwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }

@@ -45,7 +45,7 @@ inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device,
   const int64_t num_tiles = num_m_blocks * p.heads * p.batch;
   const int64_t num_n_blocks = (p.len_k + plan.block_n - 1) / plan.block_n;
 
-  switch (sm90::fwd_tile_order(plan.head_dim, p.causal)) {
+  switch (sm90::fwd_tile_order(plan.head_dim, p.causal, p.options)) {
     case sm90::TileOrder::kDynamic: {
       const int zigzag = sw.fwd_schedule == FwdScheduleChoice::kCounter
                              ? 0

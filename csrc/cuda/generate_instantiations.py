@@ -15,11 +15,13 @@ OUT_DIR = HERE / "instantiations"
 # The variants of a launcher: (file name part, template arguments after the head dim).
 PLAIN = (("noncausal", "false"), ("causal", "true"))
 WITH_OPTIONS = (("noncausal", "false, false"), ("causal", "true, false"), ("options", "false, true"))
+# The Hopper forward's options variants come in both schedules (a band with a right edge runs as causal).
+WITH_OPTIONS_BOTH = WITH_OPTIONS + (("options_causal", "true, true"),)
 # (file prefix, header, launcher, params, variants)
 KERNELS = (
     ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", WITH_OPTIONS),
     ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_OPTIONS),
-    ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", PLAIN),
+    ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", WITH_OPTIONS_BOTH),
     ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams", PLAIN),
 )
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}

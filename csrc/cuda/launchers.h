@@ -22,7 +22,7 @@ cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream
 
 namespace sm90 {
 // As params.plan says (fwd_plan.h); cudaErrorNotSupported where the driver refuses a tensor map or the shared memory.
-template <typename T, int HeadDim, bool kCausal>
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
 template <typename T, int HeadDim, bool kCausal>

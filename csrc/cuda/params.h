@@ -47,10 +47,12 @@ struct FwdParams {
   float scale_log2;  // scale * log2(e): the kernels work in exp2
   bool causal;       // bottom-right aligned: query i sees key j iff j <= i + len_k - len_q
 
-  // Score modifications (the kernels' "options" variants; the plain ones ignore them). The band: query i sees key j
-  // iff i + shift - window_left <= j <= i + shift + window_right, shift = len_k - len_q, -1 unbounded (causal is
-  // folded in as window_right = 0). softcap > 0: scores are softcap * tanh(scale * q·k / softcap). sinks: float32
-  // (heads,), a logit per query head in the softmax denominator, or null.
+  // Score modifications, taken by the kernels' options variants (`options`; the plain ones ignore them). The band:
+  // query i sees key j iff i + shift - window_left <= j <= i + shift + window_right, shift = len_k - len_q, -1
+  // unbounded (causal is folded in as window_right = 0; with options `causal` means window_right >= 0). softcap > 0:
+  // scores are softcap * tanh(scale * q·k / softcap). sinks: float32 (heads,), a logit per query head in the softmax
+  // denominator, or null.
+  bool options;
   int window_left, window_right;
   float softcap;
   const float* __restrict__ sinks;

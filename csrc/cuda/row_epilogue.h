@@ -20,15 +20,6 @@ __device__ __forceinline__ bool row_sees_band(int row, int shift, int left, int 
   return first <= last;
 }
 
-// softcap * tanh(x) / softcap's argument: tanh(x) = 1 - 2 / (exp(2x) + 1) on the exp2 unit, accurate to a few float
-// ulps in absolute terms (tanh.approx's 2^-11 relative error would move capped scores by up to softcap * 5e-4).
-__device__ __forceinline__ float tanh_exp2(float x) {
-  constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 * log2(e)
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * kTwoLog2e));
-  return 1.f - __fdividef(2.f, e + 1.f);
-}
-
 // A row's sink joins the softmax: the sum of exp2(score - base) over its keys grows by exp2(sink * log2(e) - base),
 // with the base moved to the sink where that is larger. Returns the factor the row's accumulator is multiplied by
 // before the division by the new sum; updates base_log2 and sum. A row without keys (sum 0) gets sum 1, base = sink.

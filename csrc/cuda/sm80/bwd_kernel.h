@@ -16,7 +16,6 @@
 #include <cmath>
 
 #include "cuda/params.h"
-#include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile_io.h"
 

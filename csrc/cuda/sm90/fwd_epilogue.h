@@ -117,7 +117,7 @@ struct FwdEpilogue {
     }
   }
 
-  // A tile no row of which sees a key: out = 0, lse = -inf (every consumer thread takes its share).
+  // A tile no row of which sees a key: out = 0, lse = -inf or the head's sink (every consumer thread takes its share).
   __device__ void store_keyless(const TileT& tile) {
     T* const o_base = tile.template out<T>(p);
     float* const lse_base = tile.lse(p);
@@ -130,12 +130,14 @@ struct FwdEpilogue {
       const int row = m_first + i / pairs_per_row;
       *reinterpret_cast<uint32_t*>(o_base + static_cast<int64_t>(row) * p.o_row_stride + 2 * (i % pairs_per_row)) = 0;
     }
-    for (int row = m_first + thread; row < m_end; row += kConsumerThreads) lse_base[row] = -INFINITY;
+    const float keyless_lse = Traits::kOptions && p.sinks != nullptr ? p.sinks[tile.head] : -INFINITY;
+    for (int row = m_first + thread; row < m_end; row += kConsumerThreads) lse_base[row] = keyless_lse;
     release_staged_o();
   }
 
-  // The rows' totals: inv (1 / sum, 0 for a row without keys) and, with store_lse, their lse. Taken while the last P V
-  // runs (it changes only O); a stream-K tile has them again after the merge.
+  // The rows' totals: inv (1 / sum, 0 for a row without keys) and, with store_lse, their lse; with sinks (options
+  // variants, never split) the sink joins the sum, and a row without keys has the sink as its lse. Taken while the last
+  // P V runs (it changes only O); a stream-K tile has them again after the merge.
   __device__ void row_totals(const RowSoftmax<Traits::kBlockN>& softmax, const TileT& tile, int row_in_block0,
                              int causal_shift, float scale_log2, bool store_lse, float (&inv)[2]) const {
     float* const lse_base = tile.lse(p);
@@ -145,10 +147,17 @@ struct FwdEpilogue {
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int row = tile.m_start + row_in_block0 + 8 * h;
-      const bool sees_keys = row_sees_keys<kCausal>(row, causal_shift);
-      inv[h] = sees_keys ? 1.f / sum : 0.f;  // a row without keys: out = 0
+      using Mask = FwdMask<Traits, kCausal>;
+      const bool sees_keys = Traits::kOptions
+                                 ? row_sees_band(row, causal_shift, Mask::left(p), Mask::right(p), p.len_k)
+                                 : row_sees_keys<kCausal>(row, causal_shift);
+      float base = softmax.row_max[h] * scale_log2;
+      float keep = 1.f;
+      const bool sinks = Traits::kOptions && p.sinks != nullptr;
+      if (sinks) keep = add_sink(p.sinks[tile.head], base, sum);
+      inv[h] = sees_keys ? keep / sum : 0.f;  // a row without keys: out = 0
       if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
-        lse_base[row] = row_lse(sees_keys, softmax.row_max[h] * scale_log2, sum);
+        lse_base[row] = sinks && !sees_keys ? p.sinks[tile.head] : row_lse(sees_keys, base, sum);
       }
     }
   }

@@ -41,24 +41,28 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says. Returns
-// cudaErrorInvalidValue where the plan names a variant this head dim does not have, cudaErrorNotSupported where the
-// driver refuses a tensor map or the shared memory; launches nothing then.
-template <typename T, int HeadDim, bool kCausal>
+// Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says (kOptions: the variant with
+// windows, softcap and sinks). Returns cudaErrorInvalidValue where the plan names a variant this head dim does not
+// have, cudaErrorNotSupported where the driver refuses a tensor map or the shared memory; launches nothing then.
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;
   if constexpr (HeadDim == 64) {
     if constexpr (kCausal) {
-      if (plan.consumers == 3) return launch_fwd_sm90<T, FwdTraits<64, true, 128, 3>, true>(params, stream);
-      return launch_fwd_sm90<T, FwdTraits<64, true, 128, 2>, true>(params, stream);
+      if (plan.consumers == 3) {
+        return launch_fwd_sm90<T, FwdTraits<64, true, 128, 3, kOptions>, true>(params, stream);
+      }
+      return launch_fwd_sm90<T, FwdTraits<64, true, 128, 2, kOptions>, true>(params, stream);
     } else {
-      return launch_fwd_sm90<T, FwdTraits<64, false, 128, 3>, false>(params, stream);
+      return launch_fwd_sm90<T, FwdTraits<64, false, 128, 3, kOptions>, false>(params, stream);
     }
   } else if constexpr (HeadDim == 128) {
-    return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128, 2>, kCausal>(params, stream);
+    return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128, 2, kOptions>, kCausal>(params, stream);
   } else {
-    if (plan.block_n == 64) return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64, 2>, kCausal>(params, stream);
-    return launch_fwd_sm90<T, FwdTraits<256, kCausal, 80, 2>, kCausal>(params, stream);
+    if (plan.block_n == 64) {
+      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64, 2, kOptions>, kCausal>(params, stream);
+    }
+    return launch_fwd_sm90<T, FwdTraits<256, kCausal, 80, 2, kOptions>, kCausal>(params, stream);
   }
 }
 

@@ -231,7 +231,8 @@ struct FwdConsumer {
   const FwdParams& p;
   const int consumer, warp, lane;
   const int row_in_block0;  // the thread's first row in the tile (+ 8 for its second)
-  const bool negate;        // a negative scale: scores negated, scale_log2 made positive
+  const bool softcap;       // options: scores become tanh(scale * q.k / softcap), taken times softcap
+  const bool negate;        // a negative scale (no softcap): scores negated, scale_log2 made positive
   const float scale_log2;
   const int causal_shift;
   int q_loads = 0, kv_loads = 0;
@@ -240,8 +241,21 @@ struct FwdConsumer {
   __device__ FwdConsumer(const SharedStorage<T, Traits>& storage, const FwdParams& params, int consumer_index,
                          int warp_index, int lane_index)
       : smem(storage), p(params), consumer(consumer_index), warp(warp_index), lane(lane_index),
-        row_in_block0(64 * consumer_index + 16 * warp_index + lane_index / 4), negate(params.scale_log2 < 0.f),
-        scale_log2(fabsf(params.scale_log2)), causal_shift(params.len_k - params.len_q) {}
+        row_in_block0(64 * consumer_index + 16 * warp_index + lane_index / 4),
+        softcap(Traits::kOptions && params.softcap > 0.f), negate(!softcap && params.scale_log2 < 0.f),
+        scale_log2(softcap ? params.softcap * 1.4426950408889634f : fabsf(params.scale_log2)),
+        causal_shift(params.len_k - params.len_q) {}
+
+  // The options variants' softcap on a block of scores, in place.
+  __device__ void cap(float (&s)[kBlockN / 2]) const {
+    if constexpr (Traits::kOptions) {
+      if (softcap) {
+        const float cap_scale = p.scale / p.softcap;
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) s[i] = tanh_exp2(s[i] * cap_scale);
+      }
+    }
+  }
 
   // A block's V stage and the parity of its barriers, and its K stage (kKStages; the same where K has no more).
   __device__ int stage_of(int n_block) const { return (kv_loads + n_block - n_begin) % kStages; }
@@ -293,8 +307,8 @@ struct FwdConsumer {
   __device__ ConsumerTile begin_tile(const TileT& tile, const FwdWork& work) {
     n_begin = work.n_begin;
     const int q_stage = q_loads % Traits::kQStages;
-    return {work.n_begin, work.n_end, Mask::consumer_n_end(tile.m_start, consumer, causal_shift, tile.num_n_blocks,
-                                                           work.n_end),
+    return {work.n_begin, work.n_end,
+            Mask::consumer_n_end(tile.m_start, consumer, causal_shift, work.n_begin, tile.num_n_blocks, work.n_end, p),
             q_stage, q_barrier_of(q_stage), 0};
   }
 
@@ -330,7 +344,7 @@ struct FwdConsumer {
     float s[kBlockN / 2];
     uint32_t p_frag[kBlockN / 16][4];
     float rescale[2];
-    int last_col[2];
+    int first_col[2], last_col[2];
 
     // The first block: S only (there is no P yet).
     mbarrier_wait(&smem.q_full[q_barrier], (q_loads / Traits::kQStages) & 1);
@@ -362,10 +376,11 @@ struct FwdConsumer {
     const bool q_free_after_s = !kQInRegisters && (!Traits::kFirstOInQ || (epilogue.my_o_in_v && lane == 0));
     if (q_free_after_s && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     const int first_start = tile.key_start(n_begin);
-    Mask::last_cols(first_start, tile.m_start, row_in_block0, causal_shift, lane, p, last_col);
+    Mask::cols(first_start, tile.m_start, row_in_block0, causal_shift, lane, p, first_col, last_col);
+    cap(s);
     // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
     // under either rule): no lazy test, which here only costs registers.
-    softmax.template update<false>(s, scale_log2, negate, needs_mask(first_start), last_col, rescale);
+    softmax.template update<false>(s, scale_log2, negate, needs_mask(first_start), first_col, last_col, rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     constexpr bool kOptimisticExp = Traits::kExp == ExpPolicy::kOptimistic;
@@ -388,7 +403,8 @@ struct FwdConsumer {
         mbarrier_arrive(&smem.k_empty[stage]);
         if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
-      Mask::last_cols(n_start, tile.m_start, row_in_block0, causal_shift, lane, p, last_col);
+      Mask::cols(n_start, tile.m_start, row_in_block0, causal_shift, lane, p, first_col, last_col);
+      cap(s);
       // Then wait for P[n-1] V[n-1]: O and the P registers are free again.
       const auto wait_pv = [&] {
         wgmma_wait<0>();
@@ -398,8 +414,8 @@ struct FwdConsumer {
       bool moved;
       if constexpr (kOptimisticExp) {
         float block_sum[2];
-        const bool fits =
-            softmax.exp_against_reference(s, scale_log2, negate, needs_mask(n_start), last_col, block_sum);
+        const bool fits = softmax.exp_against_reference(s, scale_log2, negate, needs_mask(n_start), first_col,
+                                                        last_col, block_sum);
         moved = !warpgroup_all(fits, Barrier::vote(consumer));
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
@@ -409,11 +425,13 @@ struct FwdConsumer {
           issue_s(smem.k_stage(stage));
           wgmma_wait<0>();
           wgmma_fence_registers(s);
-          softmax.template update<false>(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
+          cap(s);
+          softmax.template update<false>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col, rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
       } else {
-        moved = softmax.template update<true>(s, scale_log2, negate, needs_mask(n_start), last_col, rescale);
+        moved = softmax.template update<true>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col,
+                                              rescale);
       }
       if constexpr (Traits::kSoftmaxUnderPV) {
         keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);

@@ -1,6 +1,7 @@
 // The Hopper forward's compile-time shape and policies (FwdTraits) and its shared-memory layout (SharedStorage).
-// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers> (tile_size.h picks them per call); every
-// other choice below follows from those and from the 227 KB of shared memory.
+// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options> (tile_size.h picks them per call);
+// every other choice below follows from those and from the 227 KB of shared memory. The options variants take a
+// sliding window, softcap and sinks (FwdParams' score modifications); their Causal means a band with a right edge.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,14 +37,15 @@ enum class ExpPolicy {
 // Where S = Q K^T reads Q from.
 enum class QOperand { kSharedMemory, kRegisters };
 
-template <int HeadDim, bool Causal, int BlockN, int Consumers>
+template <int HeadDim, bool Causal, int BlockN, int Consumers, bool Options = false>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kConsumers = Consumers;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = BlockN;
+  static constexpr bool kOptions = Options;
 
-  static constexpr TileOrder kOrder = fwd_tile_order(HeadDim, Causal);
+  static constexpr TileOrder kOrder = fwd_tile_order(HeadDim, Causal, Options);
   // K/V stages: three at D64, where a tile's key blocks are shortest; two at D128 and D256, which fill shared memory.
   static constexpr int kStages = HeadDim == 64 ? 3 : 2;
   // D128 without a mask has room for one more K stage (not a K/V pair) beside its O buffers: K runs a block ahead of

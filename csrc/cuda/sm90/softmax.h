@@ -29,11 +29,11 @@ struct RowSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  // Masks a block of scores (mask.h gives last_col: the last key column row h may see, relative to the block and this
-  // lane's first column; needs_mask false skips the comparisons) and, with a negative scale, negates them, so that the
-  // maxima below are maxima of scale * score.
+  // Masks a block of scores (mask.h gives first_col and last_col: the key columns row h may see, relative to the block
+  // and this lane's first column; needs_mask false skips the comparisons) and, with a negative scale, negates them, so
+  // that the maxima below are maxima of scale * score.
   __device__ __forceinline__ static void mask(float (&s)[kBlockN / 2], bool negate, bool needs_mask,
-                                              const int (&last_col)[2]) {
+                                              const int (&first_col)[2], const int (&last_col)[2]) {
     if (needs_mask || negate) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -43,7 +43,7 @@ struct RowSoftmax {
           for (int c = 0; c < 2; ++c) {
             float& x = s[4 * j + 2 * h + c];
             if (negate) x = -x;
-            if (needs_mask && 8 * j + c > last_col[h]) x = -INFINITY;
+            if (needs_mask && (8 * j + c > last_col[h] || 8 * j + c < first_col[h])) x = -INFINITY;
           }
         }
       }
@@ -70,9 +70,9 @@ struct RowSoftmax {
   // it would through the max) and no row without a reference (-inf) saw a key. The caller votes over the warpgroup,
   // then either adds block_sum (accept) or recomputes S (s is spent) and takes update<false>.
   __device__ __forceinline__ bool exp_against_reference(float (&s)[kBlockN / 2], float scale_log2, bool negate,
-                                                        bool needs_mask, const int (&last_col)[2],
-                                                        float (&block_sum)[2]) const {
-    mask(s, negate, needs_mask, last_col);
+                                                        bool needs_mask, const int (&first_col)[2],
+                                                        const int (&last_col)[2], float (&block_sum)[2]) const {
+    mask(s, negate, needs_mask, first_col, last_col);
     bool fits = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -88,9 +88,9 @@ struct RowSoftmax {
   // whether one of the thread's rows moved.
   template <bool kLazy>
   __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
-                                         const int (&last_col)[2], float (&rescale)[2]) {
+                                         const int (&first_col)[2], const int (&last_col)[2], float (&rescale)[2]) {
     bool moved = false;
-    mask(s, negate, needs_mask, last_col);
+    mask(s, negate, needs_mask, first_col, last_col);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float block_max = row_max[h];

@@ -113,6 +113,7 @@ constexpr int64_t stream_k_partial_floats(int head_dim) { return 32 * (head_dim 
 template <typename Traits, bool kCausal>
 struct Tile {
   int m_start, head, batch, num_n_blocks;
+  int n_first = 0;  // the first key block its rows see (a band's left edge); none seen: num_n_blocks = 0
 
   // Under a causal mask each head's longest rows come first.
   __device__ Tile(int index, int num_m_blocks, const FwdParams& p) {
@@ -126,6 +127,10 @@ struct Tile {
         Traits::kTilesEndAtLq ? (num_m_blocks * Traits::kBlockM - p.len_q) / 16 * 16 : 0;
     m_start = m_block * Traits::kBlockM - rows_before_zero;
     num_n_blocks = FwdMask<Traits, kCausal>::num_n_blocks(m_end(p), p);
+    if constexpr (Traits::kOptions) {
+      n_first = FwdMask<Traits, kCausal>::n_first(m_first(), p);
+      if (n_first >= num_n_blocks) num_n_blocks = n_first = 0;
+    }
   }
   // The tile's rows: m_first() .. m_end(p) - 1.
   __device__ int m_first() const { return Traits::kTilesEndAtLq ? max(m_start, 0) : m_start; }

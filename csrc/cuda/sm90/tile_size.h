@@ -13,10 +13,13 @@ enum class TileOrder {
   kDynamic,            // causal: tile indices from a counter or zigzag rounds, passed on by the producer
 };
 
-// Causal tiles differ in length: dynamic order, longest first. Without a mask the D128 kernel may split its last round
-// over keys (stream-K); at D256 the split's state spills registers, and D64's grid spreads its short tiles instead.
-constexpr TileOrder fwd_tile_order(int kernel_head_dim, bool causal) {
-  return causal ? TileOrder::kDynamic : kernel_head_dim == 128 ? TileOrder::kStrideThenStreamK : TileOrder::kStride;
+// Causal tiles (and those of a band with a right edge) differ in length: dynamic order, longest first. Without a mask
+// the D128 kernel may split its last round over keys (stream-K); at D256 the split's state spills registers, and
+// D64's grid spreads its short tiles instead. The options variants (windows, softcap, sinks) do not split.
+constexpr TileOrder fwd_tile_order(int kernel_head_dim, bool causal, bool options = false) {
+  return causal                                ? TileOrder::kDynamic
+         : kernel_head_dim == 128 && !options ? TileOrder::kStrideThenStreamK
+                                               : TileOrder::kStride;
 }
 
 struct FwdTileShape {
