@@ -269,60 +269,66 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
     using T = typename decltype(type_tag)::type;
     dispatch_head_dim(bucket, [&](auto head_dim_tag) {
       constexpr int kBucket = decltype(head_dim_tag)::value;
-      if constexpr (kBucket <= kMaxFusedBwdSm80Bucket) {
-        if (options && path == BwdPath::kSm80) {
-          err = sm80::run_bwd_sm80<T, kBucket, false, true>(params, stream);
-          return;
-        }
-      }
       dispatch_bool(causal, [&](auto causal_tag) {
         constexpr bool kCausal = decltype(causal_tag)::value;
+        dispatch_bool(options, [&](auto options_tag) {
+          constexpr bool kOptions = decltype(options_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
-        if constexpr (sm90_bwd_covers(kBucket)) {
-          if (path == BwdPath::kSm90) {
-            err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal>(params, stream);
+          if constexpr (sm90_bwd_covers(kBucket) && (!kOptions || sm90_kernel_head_dim(kBucket) <= 128)) {
+            if (path == BwdPath::kSm90) {
+              err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions>(params, stream);
+            }
           }
-        }
 #endif
-        if constexpr (kBucket <= kMaxFusedBwdSm80Bucket) {
-          if (path == BwdPath::kSm80) err = sm80::run_bwd_sm80<T, kBucket, kCausal, false>(params, stream);
-        }
+          // The portable options variant carries the whole band in its window (kCausal false).
+          if constexpr (kBucket <= kMaxFusedBwdSm80Bucket) {
+            if (path == BwdPath::kSm80) {
+              err = sm80::run_bwd_sm80<T, kBucket, kCausal && !kOptions, kOptions>(params, stream);
+            }
+          }
+        });
       });
     });
   });
   return err;
 }
 
-// d sink_h = -sum over the rows of head h of exp(sink_h - lse_i) (rowsum(dO * O)_i - dlse_i), in float32 and a fixed
-// reduction order (deterministic); rows with lse = -inf contribute nothing.
+// d sink_h = -sum over the rows of head h of exp(sink_h - lse_i) delta_i, delta = rowsum(dO * O) - dlse (the fused
+// backward's, else computed here), in float32 and a fixed reduction order (deterministic); rows with lse = -inf
+// contribute nothing.
 at::Tensor sink_grads(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
-                      const std::optional<at::Tensor>& dlse, const at::Tensor& sinks) {
-  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1);
-  if (dlse.has_value()) delta = delta - *dlse;
+                      const std::optional<at::Tensor>& dlse, const at::Tensor& sinks, at::Tensor delta) {
+  if (!delta.defined()) {
+    delta = at::linalg_vecdot(dout.to(at::kFloat), out.to(at::kFloat));
+    if (dlse.has_value()) delta = delta - *dlse;
+  }
   const at::Tensor sink_prob = (sinks.view({1, -1, 1}) - lse).exp_().masked_fill_(lse.isneginf(), 0.0);
   return (sink_prob * delta).sum(at::IntArrayRef{0, 2}).neg_();
 }
 
-// dQ, dK, dV: by a fused kernel where one takes the call, else by the chunked backward.
+// dQ, dK, dV: by a fused kernel where one takes the call, else by the chunked backward. `delta` receives the fused
+// path's rowsum(dO * O) - dlse (left undefined by the chunked one).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Tensor& dout, const at::Tensor& q,
                                                                     const at::Tensor& k, const at::Tensor& v,
                                                                     const at::Tensor& out, const at::Tensor& lse,
                                                                     const AttentionShape& s, const ScoreMods& mods,
                                                                     double softmax_scale,
                                                                     const std::optional<at::Tensor>& dlse,
-                                                                    bool deterministic) {
+                                                                    bool deterministic, at::Tensor& delta) {
   const Switches& sw = switches();
-  const bool causal = mods.causal();
   const int bucket = head_dim_bucket(s.head_dim);
   if (sw.chunked_bwd || !head_dim_bucket_built(bucket) || s.empty() || s.len_k == 0) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
-  // Windows and softcap run in the portable kernel's options variant (sinks only change lse: any kernel takes them).
+  // Windows and softcap run in the kernels' options variants (Hopper up to D128), whose causal means a band with a
+  // right edge; sinks only change lse, which every kernel takes.
   const bool options = mods.window() || mods.softcap > 0.0;
-  const bool wants_sm90 = !options && sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
+  const bool causal = options ? mods.right >= 0 : mods.causal();
+  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
+                          (!options || sm90_kernel_head_dim(bucket) <= 128);
   // The fused kernels add dQ up across CTAs in an order that varies, except the Hopper kernel up to D128 with its dQ
   // semaphores: deterministic=True takes that or the chunked backward.
-  const bool ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128;
+  const bool ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128 && !options;
   if ((deterministic && !ordered_dq) || (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket)) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
@@ -347,7 +353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   const at::Tensor lse_rows = lse.contiguous();
   const std::optional<at::Tensor> dlse_rows =
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
-  at::Tensor delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
+  delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::zeros({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
   // Deterministic: a count of the key blocks added so far per dQ tile (two per query block; bwd_kernel.h).
   at::Tensor dq_semaphore;
@@ -395,8 +401,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const double softmax_scale = resolve_scale(scale, s.head_dim, "flashattn.bwd");
   const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, "flashattn.bwd");
   const c10::cuda::CUDAGuard device_guard(q.device());
-  auto [dq, dk, dv] = bwd_fused_or_chunked(dout, q, k, v, out, lse, s, mods, softmax_scale, dlse, deterministic);
-  at::Tensor dsinks = mods.sinks.has_value() ? sink_grads(dout, out, lse, dlse, *mods.sinks)
+  at::Tensor delta;
+  auto [dq, dk, dv] =
+      bwd_fused_or_chunked(dout, q, k, v, out, lse, s, mods, softmax_scale, dlse, deterministic, delta);
+  at::Tensor dsinks = mods.sinks.has_value() ? sink_grads(dout, out, lse, dlse, *mods.sinks, delta)
                                              : at::empty({0}, q.options().dtype(at::kFloat));
   return {dq, dk, dv, dsinks};
 }

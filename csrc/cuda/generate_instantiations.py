@@ -17,12 +17,13 @@ PLAIN = (("noncausal", "false"), ("causal", "true"))
 WITH_OPTIONS = (("noncausal", "false, false"), ("causal", "true, false"), ("options", "false, true"))
 # The Hopper forward's options variants come in both schedules (a band with a right edge runs as causal).
 WITH_OPTIONS_BOTH = WITH_OPTIONS + (("options_causal", "true, true"),)
-# (file prefix, header, launcher, params, variants)
+# (file prefix, header, launcher, params, variants: a tuple, or a function of the head dim giving one)
 KERNELS = (
     ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", WITH_OPTIONS),
     ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_OPTIONS),
     ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", WITH_OPTIONS_BOTH),
-    ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams", PLAIN),
+    ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams",
+     lambda head_dim: WITH_OPTIONS_BOTH if head_dim <= 128 else WITH_OPTIONS_BOTH[:2]),
 )
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
@@ -68,7 +69,7 @@ def rendered():
     for prefix, header, launcher, params, variants in KERNELS:
         for dtype, ctype in DTYPES.items():
             for head_dim in TABLE[prefix]:
-                for variant, args in variants:
+                for variant, args in variants(head_dim) if callable(variants) else variants:
                     name = f"{prefix}_{dtype}_hdim{head_dim}_{variant}.cu"
                     files[OUT_DIR / name] = INSTANTIATION.format(
                         header=header, launcher=launcher, params=params, ctype=ctype, head_dim=head_dim, args=args)

@@ -25,7 +25,8 @@ namespace sm90 {
 template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
-template <typename T, int HeadDim, bool kCausal>
+// kOptions: head dims 64 and 128 only.
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 }  // namespace sm90
 

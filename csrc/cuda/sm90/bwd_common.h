@@ -33,9 +33,11 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // The CTA's block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Key blocks are numbered
 // fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first; with an ordered
 // dQ (p.dq_semaphore) the causal order turns round (the shortest first), matching the order of the dQ additions.
-template <typename Traits, bool kCausal>
+// kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
+// query blocks on both sides; never with an ordered dQ.
+template <typename Traits, bool kCausal, bool kOptions = false>
 struct KeyBlock {
-  int n_block, n_start, kv_head, batch, m_begin, num_m_blocks;
+  int n_block, n_start, kv_head, batch, m_begin, m_end, num_m_blocks;
 
   __device__ KeyBlock(const BwdParams& p) {
     const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -45,13 +47,22 @@ struct KeyBlock {
     kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
     batch = blockIdx.x / num_n_blocks / p.heads_kv;
     num_m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
-    // Causal: query i sees key j iff j <= i + Lk - Lq, so the first query that sees key n_start is
-    // n_start - (Lk - Lq) (the last query sees every key, so some query block always remains).
-    m_begin = kCausal ? max(0, n_start - (p.len_k - p.len_q)) / Traits::kBlockM : 0;
+    // Causal: query i sees key j iff j <= i + Lk - Lq + right, so the first query that sees key n_start is
+    // n_start - (Lk - Lq) - right (without a left edge the last query sees every key, so some query block always
+    // remains); under a left edge the last query that sees the block's last key is that key - (Lk - Lq) + left.
+    const int shift = p.len_k - p.len_q;
+    m_begin = kCausal ? max(0, n_start - shift - right(p)) / Traits::kBlockM : 0;
+    m_end = num_m_blocks;
+    if (kOptions && left(p) >= 0) {
+      const int row_end = max(0, min(p.len_q, n_start + Traits::kBlockN - shift + left(p)));
+      m_end = max(m_begin, (row_end + Traits::kBlockM - 1) / Traits::kBlockM);
+    }
   }
+  __device__ static int left(const BwdParams& p) { return kOptions ? p.window_left : -1; }
+  __device__ static int right(const BwdParams& p) { return kCausal ? (kOptions ? p.window_right : 0) : -1; }
 
   // The consumers' steps: every query block that sees the keys, for every query head of the kv head's group.
-  __device__ int steps_per_head() const { return num_m_blocks - m_begin; }
+  __device__ int steps_per_head() const { return m_end - m_begin; }
   __device__ int num_steps(const BwdParams& p) const { return p.heads_per_kv * steps_per_head(); }
   __device__ int head(int step, const BwdParams& p) const { return kv_head * p.heads_per_kv + step / steps_per_head(); }
   __device__ int m_start(int step) const { return (m_begin + step % steps_per_head()) * Traits::kBlockM; }
@@ -135,11 +146,10 @@ __device__ __forceinline__ void init_bwd_barriers(const Storage& smem) {
 // The producer thread: K and V once (always: the consumers always wait for them, so no copy is in flight when the
 // CTA exits), then Q and dO of every query head of the kv head's group and every query block that sees the keys,
 // through the kStages ring. The consumers walk the same sequence.
-template <typename T, typename Traits, bool kCausal, typename Storage>
+template <typename T, typename Traits, typename Block, typename Storage>
 __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUtensorMap& q_map,
                                                  const CUtensorMap& k_map, const CUtensorMap& v_map,
-                                                 const CUtensorMap& do_map, const BwdParams& p,
-                                                 const KeyBlock<Traits, kCausal>& block) {
+                                                 const CUtensorMap& do_map, const BwdParams& p, const Block& block) {
   mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
   for (int c = 0; c < Traits::kColumnBlocks; ++c) {
     tma_load_4d(smem.k + c * Traits::kSubTileKV, &k_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
@@ -151,7 +161,7 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
   for (int g = 0; g < p.heads_per_kv; ++g) {
     const int head = block.kv_head * p.heads_per_kv + g;
 #pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
-    for (int m_block = block.m_begin; m_block < block.num_m_blocks; ++m_block, ++step) {
+    for (int m_block = block.m_begin; m_block < block.m_end; ++m_block, ++step) {
       const int stage = step % Traits::kStages;
       const int use = step / Traits::kStages;
       const int m_start = m_block * Traits::kBlockM;

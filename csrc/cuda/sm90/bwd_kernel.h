@@ -20,6 +20,10 @@
 // addition and counts it done once written, so the key blocks add into each dQ tile in a fixed order (KeyBlock::
 // dq_turn) while the consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out
 // of the critical path. dK (times scale) and dV are complete in registers at the end: one writer per element.
+//
+// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
+// softcap it waits for dP^T too, then forms t = tanh(scale * S^T / softcap), P^T = exp2(softcap * t * log2 e - lse)
+// and dS^T = P^T (dP^T - delta) (1 - t^2) in one pass (no register holds t across the wait).
 #pragma once
 
 #include <cuda.h>
@@ -145,9 +149,9 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
 // [64 rows][32 columns] boxes, one bulk group per tile), then the tiles back to their consumers once read. With a
 // semaphore per tile, lane 0 first waits until the key blocks before this one have added theirs, and counts its own
 // once it is written (tile 0's write completes while tile 1 waits for its turn).
-template <typename Traits, bool kCausal, typename Storage>
+template <typename Traits, typename Block, typename Storage>
 __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
-                                              const KeyBlock<Traits, kCausal>& block, int lane) {
+                                              const Block& block, int lane) {
   const int num_steps = block.num_steps(p);
   if (num_steps == 0) return;
   const bool ordered = p.dq_semaphore != nullptr;
@@ -193,7 +197,7 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
   if (lane == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
 }
 
-template <typename T, typename Traits, bool kCausal>
+template <typename T, typename Traits, bool kCausal, bool kOptions>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -203,8 +207,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
+  constexpr float kLog2e = 1.4426950408889634f;
 
-  const KeyBlock<Traits, kCausal> block(p);
+  using Block = KeyBlock<Traits, kCausal, kOptions>;
+  const Block block(p);
+  const int left = Block::left(p), right = Block::right(p);
+  const bool softcap = kOptions && p.softcap > 0.f;
   const int n_start = block.n_start;
   const int causal_shift = p.len_k - p.len_q;
 
@@ -216,7 +224,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) run_bwd_producer<T>(smem, q_map, k_map, v_map, do_map, p, block);
+    if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
     if (threadIdx.x / 32 == 1) run_dq_writer<Traits>(smem, dq_map, p, block, threadIdx.x % 32);
     return;
   }
@@ -251,8 +259,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (stages_lse) smem.lse_log2[offset] = stats.lse_log2();
     if (stages_delta) smem.delta[offset] = stats.delta_or_zero();
   };
-  load_stats(0);
-  store_stats(0);
+  if (num_steps > 0) {  // a band can leave a key block without query blocks
+    load_stats(0);
+    store_stats(0);
+  }
   named_barrier_sync(BwdBarrier::kDsStored, 256);  // publishes step 0's statistics
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
@@ -276,33 +286,55 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_wait(&smem.do_full[stage], parity);
     issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
 
-    // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
-    wgmma_wait<1>();
-    wgmma_fence_registers(s);
+    // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
     const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-                            (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
+                            (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
+                            (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+    const auto masked = [&](int col, int i) {
+      const int key = key0 + 8 * (i / 2);
+      const int query = m_start + col;
+      return needs_mask && (query >= p.len_q || key >= p.len_k || (right >= 0 && key > query + causal_shift + right) ||
+                            (kOptions && left >= 0 && key < query + causal_shift - left));
+    };
+    if (softcap) {  // options only: S^T and dP^T both, then P^T and dS^T in one pass
+      wgmma_wait<0>();
+      wgmma_fence_registers(s);
+      wgmma_fence_registers(dp);
+      const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * kLog2e;
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+      for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = 8 * j + 2 * (lane % 4) + i % 2;
-        const int key = key0 + 8 * (i / 2);
-        const int query = m_start + col;
-        const bool masked =
-            needs_mask && (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift));
-        const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
-        s[4 * j + i] = masked ? 0.f : x;
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * (lane % 4) + i % 2;
+          const float t = tanh_exp2(s[4 * j + i] * cap_scale);
+          const float x = masked(col, i) ? 0.f : fast_exp2(fmaf(t, cap_log2, -lse_log2[col]));
+          s[4 * j + i] = x;
+          dp[4 * j + i] = x * (dp[4 * j + i] - delta[col]) * (1.f - t * t);  // dS^T
+        }
       }
-    }
+    } else {
+      // P^T while dP^T is still running.
+      wgmma_wait<1>();
+      wgmma_fence_registers(s);
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * (lane % 4) + i % 2;
+          const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
+          s[4 * j + i] = masked(col, i) ? 0.f : x;
+        }
+      }
 
-    wgmma_wait<0>();
-    wgmma_fence_registers(dp);
+      wgmma_wait<0>();
+      wgmma_fence_registers(dp);
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+      for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col = 8 * j + 2 * (lane % 4) + i % 2;
-        dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
+        for (int i = 0; i < 4; ++i) {
+          const int col = 8 * j + 2 * (lane % 4) + i % 2;
+          dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
+        }
       }
     }
 
@@ -364,9 +396,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller): this file's kernel for
 // head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
-// another backward).
-template <typename T, int HeadDim, bool kCausal>
+// another backward). kOptions (windows, softcap): head dims 64 and 128.
+template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
+  static_assert(!kOptions || HeadDim <= 128, "the options variant covers head dims 64 and 128");
   using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   CUtensorMap q_map, k_map, v_map, do_map;
@@ -388,7 +421,7 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     if (!make_dq_accum_map(&dq_map, params.dq_accum, params.batch, params.heads, params.len_q, params.head_dim, 64)) {
       return cudaErrorNotSupported;
     }
-    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal>;
+    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions>;
     if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
     kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
   }

@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    run_bwd_producer<T>(smem, q_map, k_map, v_map, do_map, p, block);
+    run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
     return;
   }
 
