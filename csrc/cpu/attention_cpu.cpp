@@ -335,7 +335,8 @@ RowStats<at::opmath_type<scalar_t>> row_stats(const at::Tensor& dout, const at::
           const acc_t* lse_bh = stats.lse_of(b, h);
           const acc_t* delta_bh = stats.delta_of(b, h);
           for (int64_t i = 0; i < s.len_q; ++i) {
-            if (lse_bh[i] != -std::numeric_limits<acc_t>::infinity()) sum += std::exp(sink_h - lse_bh[i]) * delta_bh[i];
+            if (lse_bh[i] == -std::numeric_limits<acc_t>::infinity()) continue;
+            sum += std::exp(sink_h - lse_bh[i]) * delta_bh[i];
           }
         }
         stats.dsinks[h] = -sum;
@@ -350,8 +351,8 @@ template <typename acc_t>
 struct BwdScratch {
   explicit BwdScratch(int64_t d)
       : q(kBlockM * d), dout(kBlockM * d), k_t(d * kBlockN), v_t(d * kBlockN), k(kBlockN * d),
-        p(kBlockM * kBlockN), ds(kBlockM * kBlockN), first(kBlockM), visible(kBlockM), acc_a(std::max(kBlockM, kBlockN) * d),
-        acc_b(kBlockN * d) {}
+        p(kBlockM * kBlockN), ds(kBlockM * kBlockN), first(kBlockM), visible(kBlockM),
+        acc_a(std::max(kBlockM, kBlockN) * d), acc_b(kBlockN * d) {}
   std::vector<acc_t> q;          // (kBlockM, D) query rows, pre-multiplied by the scale (as in the forward)
   std::vector<acc_t> dout;       // (kBlockM, D) their output gradients
   std::vector<acc_t> k_t, v_t;   // (D, kBlockN) keys and values, transposed for block_scores

@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   const int n_begin = left < 0 ? 0 : min(p.len_k, max(0, m_start + causal_shift - left));
   const int n_end = right < 0 ? p.len_k : max(0, min(p.len_k, m_end + causal_shift + right));
   const int first_n_block = n_begin / kBlockN;
-  const int num_n_blocks = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : first_n_block;
+  const int num_n_blocks = kOptions && n_end <= n_begin ? first_n_block : (n_end + kBlockN - 1) / kBlockN;
 
   const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
   const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       float base = row_max[mt][half] * scale_log2;
       float keep = 1.f;
       if (kOptions && p.sinks != nullptr) keep = add_sink(p.sinks[head], base, sum);
-      const float inv = sees_keys ? keep / sum : 0.f;  // a row without keys: out = 0
+      const float inv = sees_keys ? (kOptions ? keep / sum : 1.f / sum) : 0.f;  // a row without keys: out = 0
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         acc_o[mt][dt][2 * half] *= inv;

@@ -207,12 +207,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
-  constexpr float kLog2e = 1.4426950408889634f;
 
   using Block = KeyBlock<Traits, kCausal, kOptions>;
   const Block block(p);
-  const int left = Block::left(p), right = Block::right(p);
-  const bool softcap = kOptions && p.softcap > 0.f;
   const int n_start = block.n_start;
   const int causal_shift = p.len_k - p.len_q;
 
@@ -259,7 +256,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (stages_lse) smem.lse_log2[offset] = stats.lse_log2();
     if (stages_delta) smem.delta[offset] = stats.delta_or_zero();
   };
-  if (num_steps > 0) {  // a band can leave a key block without query blocks
+  if (!kOptions || num_steps > 0) {  // a band can leave a key block without query blocks
     load_stats(0);
     store_stats(0);
   }
@@ -286,43 +283,77 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_wait(&smem.do_full[stage], parity);
     issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
 
-    // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
-    const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-                            (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
-                            (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
-    const auto masked = [&](int col, int i) {
-      const int key = key0 + 8 * (i / 2);
-      const int query = m_start + col;
-      return needs_mask && (query >= p.len_q || key >= p.len_k || (right >= 0 && key > query + causal_shift + right) ||
-                            (kOptions && left >= 0 && key < query + causal_shift - left));
-    };
-    if (softcap) {  // options only: S^T and dP^T both, then P^T and dS^T in one pass
-      wgmma_wait<0>();
-      wgmma_fence_registers(s);
-      wgmma_fence_registers(dp);
-      const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * kLog2e;
+    if constexpr (kOptions) {
+      // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
+      const int left = Block::left(p), right = Block::right(p);
+      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+                              (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
+                              (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+      const auto masked = [&](int col, int i) {
+        const int key = key0 + 8 * (i / 2);
+        const int query = m_start + col;
+        return needs_mask && (query >= p.len_q || key >= p.len_k ||
+                              (right >= 0 && key > query + causal_shift + right) ||
+                              (left >= 0 && key < query + causal_shift - left));
+      };
+      if (p.softcap > 0.f) {  // S^T and dP^T both, then P^T and dS^T in one pass
+        wgmma_wait<0>();
+        wgmma_fence_registers(s);
+        wgmma_fence_registers(dp);
+        const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
+        for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          const float t = tanh_exp2(s[4 * j + i] * cap_scale);
-          const float x = masked(col, i) ? 0.f : fast_exp2(fmaf(t, cap_log2, -lse_log2[col]));
-          s[4 * j + i] = x;
-          dp[4 * j + i] = x * (dp[4 * j + i] - delta[col]) * (1.f - t * t);  // dS^T
+          for (int i = 0; i < 4; ++i) {
+            const int col = 8 * j + 2 * (lane % 4) + i % 2;
+            const float t = tanh_exp2(s[4 * j + i] * cap_scale);
+            const float x = masked(col, i) ? 0.f : fast_exp2(fmaf(t, cap_log2, -lse_log2[col]));
+            s[4 * j + i] = x;
+            dp[4 * j + i] = x * (dp[4 * j + i] - delta[col]) * (1.f - t * t);  // dS^T
+          }
+        }
+      } else {
+        // P^T while dP^T is still running.
+        wgmma_wait<1>();
+        wgmma_fence_registers(s);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = 8 * j + 2 * (lane % 4) + i % 2;
+            const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
+            s[4 * j + i] = masked(col, i) ? 0.f : x;
+          }
+        }
+
+        wgmma_wait<0>();
+        wgmma_fence_registers(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = 8 * j + 2 * (lane % 4) + i % 2;
+            dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
+          }
         }
       }
-    } else {
-      // P^T while dP^T is still running.
+    } else {  // as the options branch without softcap, with the causal mask alone
+      // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
       wgmma_wait<1>();
       wgmma_fence_registers(s);
+      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+                              (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = 8 * j + 2 * (lane % 4) + i % 2;
+          const int key = key0 + 8 * (i / 2);
+          const int query = m_start + col;
+          const bool masked =
+              needs_mask && (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift));
           const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
-          s[4 * j + i] = masked(col, i) ? 0.f : x;
+          s[4 * j + i] = masked ? 0.f : x;
         }
       }
 

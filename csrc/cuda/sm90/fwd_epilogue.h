@@ -155,7 +155,7 @@ struct FwdEpilogue {
       float keep = 1.f;
       const bool sinks = Traits::kOptions && p.sinks != nullptr;
       if (sinks) keep = add_sink(p.sinks[tile.head], base, sum);
-      inv[h] = sees_keys ? keep / sum : 0.f;  // a row without keys: out = 0
+      inv[h] = sees_keys ? (Traits::kOptions ? keep / sum : 1.f / sum) : 0.f;  // a row without keys: out = 0
       if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
         lse_base[row] = sinks && !sees_keys ? p.sinks[tile.head] : row_lse(sees_keys, base, sum);
       }

@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if constexpr (Traits::kOrder == TileOrder::kDynamic) scheduler.publish(work, j, smem);
       if (work.index >= num_tiles) break;
       const TileT tile(work.index, num_m_blocks, p);
-      if constexpr (!kStreamK) work.n_begin = tile.n_first, work.n_end = tile.num_n_blocks;
+      if constexpr (Traits::kOptions) work.n_begin = tile.n_first;
+      if constexpr (!kStreamK) work.n_end = tile.num_n_blocks;
       producer.load(tile, work.n_begin, work.n_end);
       scheduler.advance(work, j);
     }
@@ -75,7 +76,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   FwdWork work{static_cast<int>(blockIdx.x), 0, 0};
   for (int j = 0; scheduler.next(work, j, smem); ++j) {
     const TileT tile(work.index, num_m_blocks, p);
-    if constexpr (!kStreamK) work.n_begin = tile.n_first, work.n_end = tile.num_n_blocks;
+    if constexpr (Traits::kOptions) work.n_begin = tile.n_first;
+    if constexpr (!kStreamK) work.n_end = tile.num_n_blocks;
     if (tile.num_n_blocks == 0) {  // no row of this tile sees a key
       epilogue.store_keyless(tile);
       continue;

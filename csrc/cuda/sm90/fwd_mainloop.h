@@ -226,12 +226,12 @@ struct FwdConsumer {
   static constexpr int kStages = Traits::kStages;
   using Barrier = FwdBarrier<Traits::kConsumers>;
   using Mask = FwdMask<Traits, kCausal>;
+  static constexpr bool kBand = Traits::kOptions;  // masks take a left edge too
 
   const SharedStorage<T, Traits>& smem;
   const FwdParams& p;
   const int consumer, warp, lane;
   const int row_in_block0;  // the thread's first row in the tile (+ 8 for its second)
-  const bool softcap;       // options: scores become tanh(scale * q.k / softcap), taken times softcap
   const bool negate;        // a negative scale (no softcap): scores negated, scale_log2 made positive
   const float scale_log2;
   const int causal_shift;
@@ -242,14 +242,15 @@ struct FwdConsumer {
                          int warp_index, int lane_index)
       : smem(storage), p(params), consumer(consumer_index), warp(warp_index), lane(lane_index),
         row_in_block0(64 * consumer_index + 16 * warp_index + lane_index / 4),
-        softcap(Traits::kOptions && params.softcap > 0.f), negate(!softcap && params.scale_log2 < 0.f),
-        scale_log2(softcap ? params.softcap * 1.4426950408889634f : fabsf(params.scale_log2)),
+        negate(!softcapped(params) && params.scale_log2 < 0.f),
+        scale_log2(softcapped(params) ? params.softcap * 1.4426950408889634f : fabsf(params.scale_log2)),
         causal_shift(params.len_k - params.len_q) {}
 
-  // The options variants' softcap on a block of scores, in place.
+  // Options: the scores become tanh(scale * q.k / softcap), which the softmax takes times softcap (> 0).
+  __device__ static bool softcapped(const FwdParams& params) { return Traits::kOptions && params.softcap > 0.f; }
   __device__ void cap(float (&s)[kBlockN / 2]) const {
     if constexpr (Traits::kOptions) {
-      if (softcap) {
+      if (softcapped(p)) {
         const float cap_scale = p.scale / p.softcap;
 #pragma unroll
         for (int i = 0; i < kBlockN / 2; ++i) s[i] = tanh_exp2(s[i] * cap_scale);
@@ -380,7 +381,8 @@ struct FwdConsumer {
     cap(s);
     // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
     // under either rule): no lazy test, which here only costs registers.
-    softmax.template update<false>(s, scale_log2, negate, needs_mask(first_start), first_col, last_col, rescale);
+    softmax.template update<false, kBand>(s, scale_log2, negate, needs_mask(first_start), first_col, last_col,
+                                          rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
     constexpr bool kOptimisticExp = Traits::kExp == ExpPolicy::kOptimistic;
@@ -414,8 +416,8 @@ struct FwdConsumer {
       bool moved;
       if constexpr (kOptimisticExp) {
         float block_sum[2];
-        const bool fits = softmax.exp_against_reference(s, scale_log2, negate, needs_mask(n_start), first_col,
-                                                        last_col, block_sum);
+        const bool fits = softmax.template exp_against_reference<kBand>(s, scale_log2, negate, needs_mask(n_start),
+                                                                        first_col, last_col, block_sum);
         moved = !warpgroup_all(fits, Barrier::vote(consumer));
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
@@ -426,12 +428,13 @@ struct FwdConsumer {
           wgmma_wait<0>();
           wgmma_fence_registers(s);
           cap(s);
-          softmax.template update<false>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col, rescale);
+          softmax.template update<false, kBand>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col,
+                                                rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
       } else {
-        moved = softmax.template update<true>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col,
-                                              rescale);
+        moved = softmax.template update<true, kBand>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col,
+                                                     rescale);
       }
       if constexpr (Traits::kSoftmaxUnderPV) {
         keep_before_wgmma_wait(softmax.row_sum[0] + softmax.row_sum[1], smem.scratch);

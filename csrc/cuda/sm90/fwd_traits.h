@@ -1,7 +1,7 @@
 // The Hopper forward's compile-time shape and policies (FwdTraits) and its shared-memory layout (SharedStorage).
-// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options> (tile_size.h picks them per call);
-// every other choice below follows from those and from the 227 KB of shared memory. The options variants take a
-// sliding window, softcap and sinks (FwdParams' score modifications); their Causal means a band with a right edge.
+// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options> (tile_size.h picks them per
+// call); every other choice below follows from those and from the 227 KB of shared memory. The options variants take
+// a sliding window, softcap and sinks (FwdParams' score modifications); their Causal means a band with a right edge.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -31,8 +31,9 @@ struct FwdMask {
   // mask covers rows that see no key).
   __device__ static int consumer_n_end(int m_start, int consumer, int causal_shift, int n_begin, int num_n_blocks,
                                        int n_end, const FwdParams& p) {
-    const int last_key_seen = m_start + 64 * consumer + 63 + causal_shift + max(0, right(p));
-    return Traits::kSkipBlocksPastRows ? max(n_begin + 1, min(num_n_blocks, last_key_seen / Traits::kBlockN + 1))
+    const int last_key_seen = m_start + 64 * consumer + 63 + causal_shift + (Traits::kOptions ? right(p) : 0);
+    const int first_end = Traits::kOptions ? n_begin + 1 : 1;
+    return Traits::kSkipBlocksPastRows ? max(first_end, min(num_n_blocks, last_key_seen / Traits::kBlockN + 1))
                                        : n_end;
   }
 

@@ -30,8 +30,9 @@ struct RowSoftmax {
   float row_sum[2] = {0.f, 0.f};
 
   // Masks a block of scores (mask.h gives first_col and last_col: the key columns row h may see, relative to the block
-  // and this lane's first column; needs_mask false skips the comparisons) and, with a negative scale, negates them, so
-  // that the maxima below are maxima of scale * score.
+  // and this lane's first column, first_col only with a band's left edge, kBand; needs_mask false skips the
+  // comparisons) and, with a negative scale, negates them, so that the maxima below are maxima of scale * score.
+  template <bool kBand>
   __device__ __forceinline__ static void mask(float (&s)[kBlockN / 2], bool negate, bool needs_mask,
                                               const int (&first_col)[2], const int (&last_col)[2]) {
     if (needs_mask || negate) {
@@ -43,7 +44,7 @@ struct RowSoftmax {
           for (int c = 0; c < 2; ++c) {
             float& x = s[4 * j + 2 * h + c];
             if (negate) x = -x;
-            if (needs_mask && (8 * j + c > last_col[h] || 8 * j + c < first_col[h])) x = -INFINITY;
+            if (needs_mask && (8 * j + c > last_col[h] || (kBand && 8 * j + c < first_col[h]))) x = -INFINITY;
           }
         }
       }
@@ -69,10 +70,11 @@ struct RowSoftmax {
   // rows' sums over this thread's columns. Returns whether they can stand: every row below the bound (NaN passes, as
   // it would through the max) and no row without a reference (-inf) saw a key. The caller votes over the warpgroup,
   // then either adds block_sum (accept) or recomputes S (s is spent) and takes update<false>.
+  template <bool kBand>
   __device__ __forceinline__ bool exp_against_reference(float (&s)[kBlockN / 2], float scale_log2, bool negate,
                                                         bool needs_mask, const int (&first_col)[2],
                                                         const int (&last_col)[2], float (&block_sum)[2]) const {
-    mask(s, negate, needs_mask, first_col, last_col);
+    mask<kBand>(s, negate, needs_mask, first_col, last_col);
     bool fits = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -86,11 +88,11 @@ struct RowSoftmax {
   // s becomes exp2(s * scale_log2 - the rows' new reference), the running max and sum are updated, and rescale gets
   // the factor the old O rows must be multiplied by. kLazy: the reference moves only past kLazyRescaleLog2; returns
   // whether one of the thread's rows moved.
-  template <bool kLazy>
+  template <bool kLazy, bool kBand>
   __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
                                          const int (&first_col)[2], const int (&last_col)[2], float (&rescale)[2]) {
     bool moved = false;
-    mask(s, negate, needs_mask, first_col, last_col);
+    mask<kBand>(s, negate, needs_mask, first_col, last_col);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float block_max = row_max[h];
