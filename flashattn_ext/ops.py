@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["flash_attn", "flash_attn_with_lse"]
+__all__ = ["flash_attn", "flash_attn_with_lse", "flash_attn_varlen", "flash_attn_varlen_with_lse"]
 
 
 def flash_attn_with_lse(
@@ -72,6 +72,66 @@ def flash_attn(
     return torch.ops.flashattn.fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)[0]
 
 
+def flash_attn_varlen_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Like :func:`flash_attn_varlen`, but also returns ``lse``: float32 (H, total_q), each row's logsumexp as in
+    :func:`flash_attn_with_lse`. Both outputs are differentiable."""
+    return torch.ops.flashattn.fwd_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, list(window_size), softcap,
+        sinks,
+    )
+
+
+def flash_attn_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> Tensor:
+    """Attention over packed sequences of different lengths (FlashAttention's ``flash_attn_varlen_func``).
+
+    Args:
+        q: (total_q, H, D) the queries of every sequence, one after the other.
+        k, v: (total_k, Hk, D) their keys and values; ``H % Hk == 0``.
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) on the tensors' device, from 0, non-decreasing, ending at
+            total_q / total_k: sequence ``b`` is rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of q and
+            ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1`` of k and v. Empty sequences are allowed.
+        max_seqlen_q, max_seqlen_k: optional hints (the results never depend on them).
+        causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per sequence (bottom-right causal
+            with each sequence's own L_q and L_k).
+
+    Every rule of :func:`flash_attn` holds per sequence, and a sequence's result is the same bits whatever else is
+    packed with it. Any strides with ``stride(-1) == 1``. Differentiable in q, k, v and sinks. This version runs
+    packed sequences on CPU; CUDA tensors raise a clear error.
+
+    Returns:
+        out: (total_q, H, D), the dtype of ``q``.
+    """
+    return flash_attn_varlen_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap, sinks
+    )[0]
+
+
 # ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 
@@ -93,6 +153,31 @@ def _bwd_fake(
     softcap=0.0, sinks=None,
 ):
     torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flashattn.bwd: dout/out must match q")
+    return (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+        torch.empty((q.shape[1] if sinks is not None else 0,), dtype=torch.float32, device=q.device),
+    )
+
+
+@torch.library.register_fake("flashattn::fwd_varlen")
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     scale=None, window_size=(-1, -1), softcap=0.0, sinks=None):
+    torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, lambda: "flashattn.fwd_varlen: q, k, v must be 3-D")
+    torch._check(k.shape == v.shape, lambda: "flashattn.fwd_varlen: k and v shapes differ")
+    torch._check(cu_seqlens_q.shape == cu_seqlens_k.shape, lambda: "flashattn.fwd_varlen: cu_seqlens lengths differ")
+    total_q, heads, head_dim = q.shape
+    out = torch.empty((total_q, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.register_fake("flashattn::bwd_varlen")
+def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                     causal=False, scale=None, dlse=None, deterministic=False, window_size=(-1, -1), softcap=0.0,
+                     sinks=None):
+    torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flashattn.bwd_varlen: dout/out must match q")
     return (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=k.device),
@@ -131,6 +216,34 @@ def _fwd_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
+def _fwd_varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap, sinks = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.window_size = window_size
+    ctx.softcap = softcap
+
+
+def _fwd_varlen_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
+    if dout is None:  # only lse was used downstream
+        dout = torch.zeros_like(out)
+    elif dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    dq, dk, dv, dsinks = torch.ops.flashattn.bwd_varlen(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal, ctx.scale, dlse,
+        torch.are_deterministic_algorithms_enabled(), ctx.window_size, ctx.softcap, sinks,
+    )
+    needs = ctx.needs_input_grad
+    grads = (dq, dk, dv) + (None,) * 8 + (dsinks if sinks is not None else None,)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
 def _bwd_setup_context(ctx, inputs, output):
     pass
 
@@ -144,3 +257,7 @@ def _bwd_backward(ctx, *grads):
 
 torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
 torch.library.register_autograd("flashattn::bwd", _bwd_backward, setup_context=_bwd_setup_context)
+torch.library.register_autograd(
+    "flashattn::fwd_varlen", _fwd_varlen_backward, setup_context=_fwd_varlen_setup_context
+)
+torch.library.register_autograd("flashattn::bwd_varlen", _bwd_backward, setup_context=_bwd_setup_context)

@@ -52,6 +52,86 @@ inline AttentionShape check_fwd_inputs(const at::Tensor& q, const at::Tensor& k,
   return s;
 }
 
+// Sizes of a packed (varlen) call: q (total_q, H, D), k and v (total_k, Hk, D), B sequences.
+struct VarlenShape {
+  int64_t batch, heads, heads_kv, total_q, total_k, head_dim;
+};
+
+// The rules of packed inputs that hold without reading cu_seqlens' values (no device synchronisation).
+inline VarlenShape check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                       const char* op = "flashattn.fwd_varlen") {
+  TORCH_CHECK(q.dim() == 3, op, ": q must have 3 dimensions (total_q, H, D), got ", q.dim());
+  TORCH_CHECK(k.dim() == 3, op, ": k must have 3 dimensions (total_k, Hk, D), got ", k.dim());
+  TORCH_CHECK(v.dim() == 3, op, ": v must have 3 dimensions (total_k, Hk, D), got ", v.dim());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k and v must have the same dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), op,
+              ": q, k and v must be on the same device, got ", q.device(), ", ", k.device(), " and ", v.device());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(2) == q.size(2), op, ": q, k and v must have the same head dim D, got ", q.size(2), " and ",
+              k.size(2));
+  TORCH_CHECK(q.size(2) >= 1, op, ": head dim D must be >= 1, got ", q.size(2));
+  TORCH_CHECK(k.size(1) > 0 ? q.size(1) % k.size(1) == 0 : q.size(1) == 0, op, ": the number of kv heads (",
+              k.size(1), ") must divide the number of query heads (", q.size(1), ")");
+  for (const auto* t : {&q, &k, &v}) {
+    const char* name = t == &q ? "q" : (t == &k ? "k" : "v");
+    TORCH_CHECK(t->stride(2) == 1 || t->size(2) == 1, op, ": ", name,
+                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(2));
+  }
+  for (const auto* t : {&cu_seqlens_q, &cu_seqlens_k}) {
+    const char* name = t == &cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
+    TORCH_CHECK(t->scalar_type() == at::kInt, op, ": ", name, " must be int32, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 1 && t->size(0) >= 1, op, ": ", name, " must have shape (B + 1,), got ", t->sizes());
+    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
+                t->device());
+  }
+  TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), op,
+              ": cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got ", cu_seqlens_q.size(0), " and ",
+              cu_seqlens_k.size(0));
+  return {cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), q.size(0), k.size(0), q.size(2)};
+}
+
+// The values of a cu_seqlens on the host (CPU tensors: readable without a synchronisation): 0 first, non-decreasing,
+// `total` last.
+inline void check_cu_seqlens_values(const at::Tensor& cu_seqlens, int64_t total, const char* name, const char* op) {
+  const int32_t* c = cu_seqlens.data_ptr<int32_t>();
+  const int64_t n = cu_seqlens.size(0);
+  TORCH_CHECK(c[0] == 0, op, ": ", name, " must start at 0, got ", c[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(c[i] >= c[i - 1], op, ": ", name, " must be non-decreasing, got ", c[i - 1], " then ", c[i],
+                " at ", i);
+  }
+  TORCH_CHECK(c[n - 1] == total, op, ": ", name, "[-1] must equal the packed length ", total, ", got ", c[n - 1]);
+}
+
+// The packed backward's extra tensors: dout and out like q, lse and dlse float32 (H, total_q) on q's device.
+inline void check_varlen_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
+                                    const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                                    const VarlenShape& vs, const char* op = "flashattn.bwd_varlen") {
+  for (const auto* t : {&dout, &out}) {
+    const char* name = t == &dout ? "dout" : "out";
+    TORCH_CHECK(t->sizes() == q.sizes(), op, ": ", name, " must have q's shape ", q.sizes(), ", got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ", q.scalar_type(),
+                ", got ", t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
+                t->device());
+    TORCH_CHECK(t->stride(2) == 1 || t->size(2) == 1, op, ": ", name,
+                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(2));
+  }
+  const std::vector<int64_t> lse_shape{vs.heads, vs.total_q};
+  for (const at::Tensor* t : {&lse, dlse.has_value() ? &*dlse : nullptr}) {
+    if (t == nullptr) continue;
+    const char* name = t == &lse ? "lse" : "dlse";
+    TORCH_CHECK(t->sizes() == at::IntArrayRef(lse_shape), op, ": ", name, " must have shape (H, total_q) = ",
+                at::IntArrayRef(lse_shape), ", got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t->scalar_type());
+    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
+                t->device());
+  }
+}
+
 // Every backend works with scale * log2(e) in float32 (the kernels take exp2), so |scale| is bounded by that.
 inline constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
 

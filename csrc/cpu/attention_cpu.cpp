@@ -29,6 +29,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "api/checks.h"
@@ -560,10 +561,107 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   return {dq, dk, dv, dsinks};
 }
 
+// ==== packed sequences (varlen) ===================================================================================
+//
+// Each sequence runs through the dense kernels above on (1, H, L_b, D) views of the packed tensors (any strides, no
+// copy), one after the other: the same bits as the dense op on that sequence alone, whatever else is packed with it.
+
+// The (1, heads, rows, D) view of rows [begin, begin + rows) of a packed (total, heads, D) tensor.
+at::Tensor sequence_view(const at::Tensor& packed, int64_t begin, int64_t rows) {
+  return packed.narrow(0, begin, rows).transpose(0, 1).unsqueeze(0);
+}
+
+// The (1, H, rows) view of a (H, total) lse.
+at::Tensor sequence_lse(const at::Tensor& lse, int64_t begin, int64_t rows) {
+  return lse.narrow(1, begin, rows).unsqueeze(0);
+}
+
+// Checked cu_seqlens (CPU tensors, values read here) as contiguous int32 tensors.
+std::pair<at::Tensor, at::Tensor> checked_cu_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                     const VarlenShape& vs, const char* op) {
+  at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  check_cu_seqlens_values(cu_q, vs.total_q, "cu_seqlens_q", op);
+  check_cu_seqlens_values(cu_k, vs.total_k, "cu_seqlens_k", op);
+  return {cu_q, cu_k};
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                  std::optional<int64_t> /*max_seqlen_q*/,
+                                                  std::optional<int64_t> /*max_seqlen_k*/, bool causal,
+                                                  std::optional<double> scale, at::IntArrayRef window_size,
+                                                  double softcap, const std::optional<at::Tensor>& sinks) {
+  constexpr const char* op = "flashattn.fwd_varlen";
+  const VarlenShape vs = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, op);
+  check_cpu_dtype(q.scalar_type(), op);
+  const double softmax_scale = resolve_scale(scale, vs.head_dim, op);
+  const auto [cu_q, cu_k] = checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, vs, op);
+  at::Tensor out = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
+  at::Tensor lse = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
+  const int32_t* cq = cu_q.data_ptr<int32_t>();
+  const int32_t* ck = cu_k.data_ptr<int32_t>();
+  for (int64_t b = 0; b < vs.batch; ++b) {
+    const int64_t len_q = cq[b + 1] - cq[b], len_k = ck[b + 1] - ck[b];
+    const AttentionShape s{1, vs.heads, vs.heads_kv, len_q, len_k, vs.head_dim};
+    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
+    if (s.empty()) continue;
+    at::Tensor out_b = sequence_view(out, cq[b], len_q);
+    at::Tensor lse_b = sequence_lse(lse, cq[b], len_q);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_varlen_cpu", [&] {
+      fwd_cpu_kernel<scalar_t>(sequence_view(q, cq[b], len_q), sequence_view(k, ck[b], len_k),
+                               sequence_view(v, ck[b], len_k), out_b, lse_b, s, mods, softmax_scale);
+    });
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    std::optional<int64_t> /*max_seqlen_q*/, std::optional<int64_t> /*max_seqlen_k*/, bool causal,
+    std::optional<double> scale, const std::optional<at::Tensor>& dlse, bool /*deterministic*/,
+    at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks) {
+  constexpr const char* op = "flashattn.bwd_varlen";
+  const VarlenShape vs = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, op);
+  check_varlen_bwd_inputs(dout, q, out, lse, dlse, vs, op);
+  check_cpu_dtype(q.scalar_type(), op);
+  const double softmax_scale = resolve_scale(scale, vs.head_dim, op);
+  const auto [cu_q, cu_k] = checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, vs, op);
+  // Zeroed: a sequence without queries leaves its keys' gradients 0.
+  at::Tensor dq = at::zeros(q.sizes(), q.options());
+  at::Tensor dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
+  at::Tensor dsinks = at::zeros({sinks.has_value() ? vs.heads : 0}, q.options().dtype(at::kFloat));
+  const int32_t* cq = cu_q.data_ptr<int32_t>();
+  const int32_t* ck = cu_k.data_ptr<int32_t>();
+  for (int64_t b = 0; b < vs.batch; ++b) {
+    const int64_t len_q = cq[b + 1] - cq[b], len_k = ck[b + 1] - ck[b];
+    const AttentionShape s{1, vs.heads, vs.heads_kv, len_q, len_k, vs.head_dim};
+    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
+    if (s.empty()) continue;
+    at::Tensor dq_b = sequence_view(dq, cq[b], len_q);
+    at::Tensor dk_b = sequence_view(dk, ck[b], len_k);
+    at::Tensor dv_b = sequence_view(dv, ck[b], len_k);
+    at::Tensor dsinks_b = at::zeros_like(dsinks);
+    const std::optional<at::Tensor> dlse_b =
+        dlse.has_value() ? std::optional<at::Tensor>(sequence_lse(*dlse, cq[b], len_q)) : std::nullopt;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_bwd_varlen_cpu", [&] {
+      bwd_cpu_kernel<scalar_t>(sequence_view(dout, cq[b], len_q), sequence_view(q, cq[b], len_q),
+                               sequence_view(k, ck[b], len_k), sequence_view(v, ck[b], len_k),
+                               sequence_view(out, cq[b], len_q), sequence_lse(lse, cq[b], len_q), dlse_b, dq_b, dk_b,
+                               dv_b, dsinks_b, s, mods, softmax_scale);
+    });
+    dsinks.add_(dsinks_b);  // sequence by sequence: a fixed order
+  }
+  return {dq, dk, dv, dsinks};
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
   m.impl("fwd", &flashattn::fwd_cpu);
   m.impl("bwd", &flashattn::bwd_cpu);
+  m.impl("fwd_varlen", &flashattn::fwd_varlen_cpu);
+  m.impl("bwd_varlen", &flashattn::bwd_varlen_cpu);
 }

@@ -409,10 +409,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   return {dq, dk, dv, dsinks};
 }
 
+// Packed sequences: not on CUDA yet (the kernels must walk the sequences' tiles on the device, with no host read of
+// cu_seqlens); the inputs are checked first, so a call that could not run anyway says why.
+std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                   std::optional<int64_t>, std::optional<int64_t>, bool,
+                                                   std::optional<double>, at::IntArrayRef, double,
+                                                   const std::optional<at::Tensor>&) {
+  check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k);
+  TORCH_CHECK(false, "flashattn.fwd_varlen: packed sequences run on CPU only in this version; on CUDA, call "
+                     "flash_attn on each sequence (or on a padded batch)");
+  return {};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
+    const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+    const at::Tensor&, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, std::optional<int64_t>,
+    std::optional<int64_t>, bool, std::optional<double>, const std::optional<at::Tensor>&, bool, at::IntArrayRef,
+    double, const std::optional<at::Tensor>&) {
+  check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, "flashattn.bwd_varlen");
+  TORCH_CHECK(false, "flashattn.bwd_varlen: packed sequences run on CPU only in this version");
+  return {};
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
   m.impl("fwd", &flashattn::fwd_cuda);
   m.impl("bwd", &flashattn::bwd_cuda);
+  m.impl("fwd_varlen", &flashattn::fwd_varlen_cuda);
+  m.impl("bwd_varlen", &flashattn::bwd_varlen_cuda);
 }

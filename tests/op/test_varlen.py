@@ -1,0 +1,210 @@
+"""Packed variable-length sequences (flashattn.fwd_varlen / bwd_varlen): each sequence gives the same bits as the
+dense op on it alone (itself checked against the fp64 reference in test_fwd / test_bwd / test_score_mods), plus a
+direct reference check, gradients, compile, opcheck and the argument checks."""
+import pytest
+import torch
+
+import flashattn_ext
+from reference import assert_attention_close, assert_grads_close, leaves
+
+fwd_varlen = torch.ops.flashattn.fwd_varlen
+bwd_varlen = torch.ops.flashattn.bwd_varlen
+
+# (Lq_b, Lk_b) per sequence: lengths 1, 7, 300, an empty sequence, Lq != Lk both ways, one longer sequence.
+MIXED = [(1, 1), (7, 7), (300, 300), (0, 5), (65, 130), (129, 40), (4, 0), (600, 600)]
+SHORT = [(1, 1), (7, 9), (0, 3), (33, 17), (50, 50)]
+
+
+def cu_seqlens(lengths, device="cpu"):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+
+
+def packed_inputs(pairs, heads, heads_kv, head_dim, dtype, device="cpu", layout="contiguous"):
+    """q (total_q, H, D), k, v (total_k, Hk, D) and the two cu_seqlens; 'strided' takes q, k, v as views of wider
+    rows (stride(0) != H * D)."""
+    total_q, total_k = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    pad = 8 if layout == "strided" else 0
+    q = torch.randn(total_q, heads, head_dim + pad, dtype=dtype, device=device)[..., :head_dim]
+    k = torch.randn(total_k, heads_kv, head_dim + pad, dtype=dtype, device=device)[..., :head_dim]
+    v = torch.randn(total_k, heads_kv, head_dim + pad, dtype=dtype, device=device)[..., :head_dim]
+    return q, k, v, cu_seqlens([p[0] for p in pairs], device), cu_seqlens([p[1] for p in pairs], device)
+
+
+def dense(t):
+    """(L, H, D) rows of one sequence as the dense op's (1, H, L, D)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def sequences(cu_q, cu_k):
+    for b in range(cu_q.numel() - 1):
+        yield b, slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+
+
+MODS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window_size=(31, 0)),
+    "two-sided": dict(window_size=(20, 10)),
+    "softcap-sinks": dict(causal=True, softcap=5.0, sinks=True),
+}
+
+
+def mods_for(name, heads, device="cpu"):
+    mods = dict(MODS[name])
+    if mods.get("sinks"):
+        mods["sinks"] = torch.linspace(-1.0, 1.0, heads, device=device)
+    return mods
+
+
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.dtypes(cpu=[torch.float32, torch.bfloat16], cuda=[])
+def test_forward_matches_dense_per_sequence(device, dtype, layout, mods):
+    q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, 32, dtype, device, layout)
+    kwargs = mods_for(mods, 4, device)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, q.shape[0])
+    assert lse.dtype == torch.float32
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.stop == rows_q.start:
+            continue
+        ref_out, ref_lse = flashattn_ext.flash_attn_with_lse(
+            dense(q[rows_q]), dense(k[rows_k]), dense(v[rows_k]), **kwargs
+        )
+        assert torch.equal(out[rows_q], ref_out[0].transpose(0, 1))
+        assert torch.equal(lse[:, rows_q], ref_lse[0])
+
+
+@pytest.mark.parametrize("mods", ["causal", "window", "softcap-sinks"])
+def test_forward_against_reference(mods):
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 4, 1, 16, torch.float64)
+    kwargs = mods_for(mods, 4)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        assert_attention_close(dense(out[rows_q]).contiguous(), lse[None, :, rows_q].contiguous(), dense(q[rows_q]),
+                               dense(k[rows_k]), dense(v[rows_k]), **kwargs)
+
+
+@pytest.mark.parametrize("mods", list(MODS))
+def test_grads_match_dense_per_sequence(mods):
+    q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, 16, torch.float32)
+    kwargs = mods_for(mods, 4)
+    q, k, v = leaves(q, k, v)
+    inputs = (q, k, v)
+    sinks = kwargs.get("sinks")
+    if sinks is not None:
+        sinks = kwargs["sinks"] = sinks.requires_grad_()
+        inputs += (sinks,)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    dsinks = torch.zeros(4)
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.stop == rows_q.start:  # no query: its keys' gradients are 0
+            assert (grads[1][rows_k] == 0).all() and (grads[2][rows_k] == 0).all()
+            continue
+        qs, ks, vs = leaves(dense(q[rows_q]), dense(k[rows_k]), dense(v[rows_k]))
+        seq_inputs = (qs, ks, vs) + ((sinks,) if sinks is not None else ())
+        o, l = flashattn_ext.flash_attn_with_lse(qs, ks, vs, **kwargs)
+        seq_grads = torch.autograd.grad((o, l), seq_inputs, (dense(dout[rows_q]), dlse[None, :, rows_q]))
+        assert torch.equal(grads[0][rows_q], seq_grads[0][0].transpose(0, 1))
+        assert torch.equal(grads[1][rows_k], seq_grads[1][0].transpose(0, 1))
+        assert torch.equal(grads[2][rows_k], seq_grads[2][0].transpose(0, 1))
+        if sinks is not None:
+            dsinks += seq_grads[3]
+    if sinks is not None:
+        torch.testing.assert_close(grads[3], dsinks)
+
+
+def test_grads_against_reference():
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 8, torch.float64)
+    kwargs = dict(causal=True, window_size=(9, 0))
+    q, k, v = leaves(q, k, v)
+    out = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, **kwargs)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
+            continue
+        grads = tuple(dense(g[r]).contiguous() for g, r in ((dq, rows_q), (dk, rows_k), (dv, rows_k)))
+        assert_grads_close(grads, dense(q[rows_q]).detach(), dense(k[rows_k]).detach(), dense(v[rows_k]).detach(),
+                           dense(dout[rows_q]), None, **kwargs)
+
+
+def test_gradcheck():
+    q, k, v, cu_q, cu_k = packed_inputs([(3, 4), (0, 2), (5, 3)], 2, 1, 4, torch.float64)
+    q, k, v = leaves(q, k, v)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True, window_size=(2, 1)),
+        (q, k, v),
+    )
+
+
+def test_batch_invariance():
+    # A sequence's result does not depend on what else is packed with it.
+    q, k, v, cu_q, cu_k = packed_inputs([(40, 50)], 2, 2, 16, torch.float32)
+    alone = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True)
+    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(13, 7), (40, 50), (5, 90)], 2, 2, 16, torch.float32)
+    q2[13:53], k2[7:57], v2[7:57] = q, k, v
+    together = flashattn_ext.flash_attn_varlen(q2, k2, v2, cu_q2, cu_k2, causal=True)
+    assert torch.equal(together[13:53], alone)
+
+
+def test_max_seqlen_is_only_a_hint():
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 16, torch.float32)
+    a = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True)
+    b = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, 1, 1, causal=True)
+    assert torch.equal(a, b)
+
+
+def test_compile_fullgraph():
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 1, 16, torch.float32)
+    q, k, v = leaves(q, k, v)
+
+    def f(q, k, v):
+        return flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True, window_size=(8, 0)).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_opcheck():
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 4, 2, 16, torch.float32)
+    sinks = torch.linspace(-1, 1, 4)
+    kwargs = dict(causal=True, window_size=[5, 0], softcap=3.0, sinks=sinks)
+    torch.library.opcheck(fwd_varlen.default, (q, k, v, cu_q, cu_k), kwargs)
+    out, lse = fwd_varlen(q, k, v, cu_q, cu_k, None, None, True, None, [5, 0], 3.0, sinks)
+    torch.library.opcheck(bwd_varlen.default, (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k), kwargs)
+
+
+def _bad(cu_q=None, cu_k=None, q=None):
+    qq, k, v, cq, ck = packed_inputs([(3, 3), (4, 4)], 2, 2, 8, torch.float32)
+    return (qq if q is None else q), k, v, (cq if cu_q is None else cu_q), (ck if cu_k is None else cu_k)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (_bad(cu_q=torch.tensor([0, 3, 7])), "cu_seqlens_q must be int32"),
+        (_bad(cu_q=torch.tensor([1, 3, 7], dtype=torch.int32)), "cu_seqlens_q must start at 0"),
+        (_bad(cu_k=torch.tensor([0, 5, 4], dtype=torch.int32)), "cu_seqlens_k must be non-decreasing"),
+        (_bad(cu_q=torch.tensor([0, 3, 6], dtype=torch.int32)), r"cu_seqlens_q\[-1\] must equal the packed length 7"),
+        (_bad(cu_q=torch.tensor([0, 7], dtype=torch.int32)), "must have the same length B \\+ 1"),
+        (_bad(cu_q=torch.zeros(2, 2, dtype=torch.int32)), r"cu_seqlens_q must have shape \(B \+ 1,\)"),
+        (_bad(q=torch.randn(1, 7, 2, 8)), r"q must have 3 dimensions \(total_q, H, D\)"),
+    ],
+    ids=["dtype", "start", "decreasing", "last", "lengths", "2d", "q-4d"],
+)
+def test_bad_arguments(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        fwd_varlen(*args)
+
+
+@pytest.mark.cuda
+def test_cuda_says_not_yet():
+    q, k, v, cu_q, cu_k = packed_inputs([(3, 3)], 2, 2, 64, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="packed sequences run on CPU only"):
+        fwd_varlen(q, k, v, cu_q, cu_k)
