@@ -1,0 +1,144 @@
+"""Hugging Face transformers integration: ``attn_implementation="fa_ext"``.
+
+    import flashattn_ext.integrations.transformers as fa_hf
+    fa_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fa_ext")
+    # or: model.set_attn_implementation("fa_ext")
+
+The name has no "flash" in it: transformers 5 takes every attention implementation whose name contains "flash" for a
+FlashAttention package (or hub kernel) to import, and refuses the model when there is none.
+
+register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and the matching mask function to
+``AttentionMaskInterface`` (FlashAttention's: no mask without padding, else the 2-D padding mask). The attention
+function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles:
+no mask (the dense op, bottom-right causal, which is what generation with a KV cache needs); padding masks (unpadded
+to packed sequences and padded back); packed batches (``cu_seq_lens_q`` / ``cu_seq_lens_k`` from
+``DataCollatorWithFlattening``, or ``position_ids`` that restart at 0); ``sliding_window``, ``softcap``, ``s_aux``
+(sinks), GQA, ``scaling`` and ``is_causal``. Dropout > 0 in training raises. transformers is imported lazily.
+
+Packed sequences run on CPU only in this version: on CUDA, padded and packed batches go through one dense call per
+sequence, which reads the sequence lengths on the host (one synchronisation per layer).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..ops import flash_attn, flash_attn_varlen
+
+NAME = "fa_ext"
+
+__all__ = ["NAME", "attention_forward", "register"]
+
+
+def register() -> None:
+    """Register ``"fa_ext"`` (:data:`NAME`) with transformers' attention and attention-mask interfaces."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+
+
+def _window(sliding_window: Optional[int], causal: bool) -> Tuple[int, int]:
+    """transformers' sliding window as (left, right): causal keeps kv > q - W (left W - 1); bidirectional
+    |q - kv| <= W."""
+    if sliding_window is None or sliding_window <= 0:
+        return (-1, -1)
+    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+
+def _target_dtype(query: Tensor) -> Optional[torch.dtype]:
+    """CUDA takes fp16 / bf16: fp32 inputs (a model kept in fp32) run in the autocast dtype, else bf16."""
+    if query.device.type != "cuda" or query.dtype in (torch.float16, torch.bfloat16):
+        return None
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.bfloat16
+
+
+def _cu_seqlens(lengths: Tensor) -> Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:
+    """flash_attn_varlen on (total, H, D) tensors; on CUDA one dense call per sequence (lengths read on the host)."""
+    if q.device.type != "cuda":
+        return flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out = torch.empty_like(q)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(bounds_q) - 1):
+        rows_q, rows_k = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+        if rows_q.stop == rows_q.start:
+            continue
+        seq = [t[rows].transpose(0, 1).unsqueeze(0) for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k))]
+        out[rows_q] = flash_attn(*seq, **kwargs)[0].transpose(0, 1)
+    return out
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    s_aux: Optional[Tensor] = None,
+    **kwargs,
+) -> Tuple[Tensor, None]:
+    """transformers' attention function: query (B, H, Sq, D), key and value (B, Hk, Sk, D); returns (B, Sq, H, D)."""
+    if dropout > 0.0 and module.training:
+        raise ValueError(
+            f"{NAME}: attention dropout ({dropout}) is not supported; set the model's attention_dropout to 0"
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    target = _target_dtype(query)
+    if target is not None:
+        query, key, value = query.to(target), key.to(target), value.to(target)
+    options = dict(
+        causal=bool(causal),
+        scale=scaling,
+        window_size=_window(sliding_window, bool(causal)),
+        softcap=float(softcap) if softcap else 0.0,
+        sinks=s_aux.float() if s_aux is not None else None,
+    )
+    batch, heads, len_q, head_dim = query.shape
+    heads_kv, len_k = key.shape[1], key.shape[2]
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    position_ids = kwargs.get("position_ids")
+    if cu_q is None and attention_mask is None and position_ids is not None and batch == 1 and len_q > 1:
+        # Packed by position ids that restart at 0 (only without a KV cache: len_q == len_k).
+        starts = (position_ids.view(-1) == 0).nonzero().view(-1)
+        if starts.numel() > 1 and len_q == len_k:
+            cu_q = cu_k = torch.cat([starts, starts.new_tensor([len_q])]).to(torch.int32)
+    if cu_q is not None:  # packed batch: (1, H, total, D)
+        cu_k = cu_q if cu_k is None else cu_k
+        out = _packed_call(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q.to(torch.int32),
+            cu_k.to(torch.int32), kwargs.get("max_length_q"), kwargs.get("max_length_k"), **options,
+        )
+        return out.unsqueeze(0), None
+
+    if attention_mask is None:  # the dense op; with a KV cache the queries are the last rows (bottom-right)
+        return flash_attn(query, key, value, **options).transpose(1, 2), None
+
+    # A 2-D padding mask (B, Sk) of the keys; the queries are the last Sq positions. Unpad, attend, pad back.
+    if attention_mask.dim() != 2:
+        raise ValueError(f"{NAME}: expected a 2-D padding mask (register() installs its mask function), got "
+                         f"shape {tuple(attention_mask.shape)}")
+    mask_k = attention_mask[:, -len_k:].bool()
+    mask_q = mask_k[:, -len_q:]
+    index_q = mask_q.reshape(-1).nonzero().view(-1)
+    index_k = mask_k.reshape(-1).nonzero().view(-1)
+    q = query.transpose(1, 2).reshape(batch * len_q, heads, head_dim).index_select(0, index_q)
+    k = key.transpose(1, 2).reshape(batch * len_k, heads_kv, head_dim).index_select(0, index_k)
+    v = value.transpose(1, 2).reshape(batch * len_k, heads_kv, head_dim).index_select(0, index_k)
+    cu_q, cu_k = _cu_seqlens(mask_q.sum(1)), _cu_seqlens(mask_k.sum(1))
+    packed = _packed_call(q, k, v, cu_q, cu_k, None, None, **options)
+    out = packed.new_zeros(batch * len_q, heads, head_dim).index_copy(0, index_q, packed)
+    return out.view(batch, len_q, heads, head_dim), None
