@@ -9,8 +9,9 @@ transfer is issued before the current one is computed (batch_isend_irecv), so co
 
 Layouts (``layout=``): "contiguous", rank r holds chunk r of W equal chunks of the sequence; "zigzag", rank r holds
 chunks r and 2W - 1 - r of 2W equal chunks (:func:`zigzag_shard`), which gives every rank the same causal work.
-Causal blocks follow the chunks' global order: a query chunk sees earlier key chunks whole, its own one causally, later
-ones not at all (skipped).
+Causal and windowed blocks follow the chunks' global order: a (query chunk, key chunk) pair runs only where some query
+sees some key, on the rows and keys that do, with the band moved into the block's coordinates (:func:`_block`); so a
+query chunk sees earlier key chunks whole, its own one causally, and later ones not at all.
 """
 from __future__ import annotations
 
@@ -54,11 +55,32 @@ def _pieces(layout: str, rank: int, world: int, length: int) -> List[Tuple[int, 
     return [(rank, slice(0, half)), (2 * world - 1 - rank, slice(half, length))]
 
 
-def _block_rule(q_chunk: int, k_chunk: int, causal: bool) -> Optional[bool]:
-    """How query chunk q_chunk sees key chunk k_chunk: None (not at all), False (whole) or True (causally)."""
-    if not causal or k_chunk < q_chunk:
-        return False
-    return True if k_chunk == q_chunk else None
+def _block(q_chunk: int, k_chunk: int, n: int, left: int, right: int) -> Optional[Tuple[slice, slice, List[int]]]:
+    """The op call of query chunk q_chunk against key chunk k_chunk (both n long) under the global band (left, right)
+    (-1: unbounded; causal is right = 0): (query rows, key rows, window) inside the chunks, or None where no query
+    sees a key. Query i sees key j of the block iff i + g <= j <= i + h with g = d - left, h = d + right and d the
+    chunks' distance; where g > 0 (or h < 0) the rows and keys outside are cut off, so the op's band (with L_q == L_k,
+    bottom-right = top-left) expresses the rest."""
+    d = (q_chunk - k_chunk) * n
+    g = None if left < 0 else d - left
+    h = None if right < 0 else d + right
+    q_start = k_start = 0
+    size = n
+    if g is not None and g > 0:  # keys from i + g: queries [0, n - g), keys [g, n)
+        k_start, size = g, n - g
+        h, g = (None if h is None else h - g), 0
+    elif h is not None and h < 0:  # keys up to i + h: queries [-h, n), keys [0, n + h)
+        q_start, size = -h, n + h
+        g, h = (None if g is None else g - h), 0
+    if size <= 0:
+        return None
+    return slice(q_start, q_start + size), slice(k_start, k_start + size), [-1 if g is None else -g,
+                                                                            -1 if h is None else h]
+
+
+def _sub(rows: slice, part: slice) -> slice:
+    """Rows `part` of the piece at `rows` of the local tensor."""
+    return slice(rows.start + part.start, rows.start + part.stop)
 
 
 def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> Tuple[Tensor, Tensor]:
@@ -101,9 +123,10 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, softcap, group, layout):
+    def forward(ctx, q, k, v, causal, scale, window_size, softcap, sinks, group, layout):
         ring = _Ring(group)
         pieces = _pieces(layout, ring.rank, ring.world, q.shape[2])
+        left, right = window_size[0], 0 if causal else window_size[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = [k, v]
@@ -114,31 +137,34 @@ class _RingAttention(torch.autograd.Function):
                 incoming, pending = ring.start(kv)
             for q_chunk, q_rows in pieces:
                 for k_chunk, k_rows in _pieces(layout, source, ring.world, k.shape[2]):
-                    rule = _block_rule(q_chunk, k_chunk, causal)
-                    if rule is None:
+                    block = _block(q_chunk, k_chunk, q_rows.stop - q_rows.start, left, right)
+                    if block is None:
                         continue
+                    rows, keys = _sub(q_rows, block[0]), _sub(k_rows, block[1])
+                    # The sinks join each row's denominator once: in its own chunk's block (never cut).
                     part_out, part_lse = flash_attn_with_lse(
-                        q[:, :, q_rows], kv[0][:, :, k_rows], kv[1][:, :, k_rows], rule, scale, softcap=softcap
+                        q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], False, scale, block[2], softcap,
+                        sinks if q_chunk == k_chunk else None,
                     )
-                    out[:, :, q_rows], lse[:, :, q_rows] = _merge(out[:, :, q_rows], lse[:, :, q_rows], part_out,
-                                                                  part_lse)
+                    out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if pending is not None:
                 ring.finish(pending)
                 kv = incoming
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = (causal, scale, softcap, group, layout)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.options = (left, right, scale, softcap, group, layout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, softcap, group, layout = ctx.options
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        left, right, scale, softcap, group, layout = ctx.options
         ring = _Ring(group)
         dout = dout.contiguous()
         pieces = _pieces(layout, ring.rank, ring.world, q.shape[2])
         deterministic = torch.are_deterministic_algorithms_enabled()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=q.device) if sinks is not None else None
         # The shard in hand and the dK / dV gathered for it so far travel together.
         travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                       torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
@@ -147,17 +173,21 @@ class _RingAttention(torch.autograd.Function):
             k_blk, v_blk, dk_acc, dv_acc = travelling
             for q_chunk, q_rows in pieces:
                 for k_chunk, k_rows in _pieces(layout, source, ring.world, k.shape[2]):
-                    rule = _block_rule(q_chunk, k_chunk, causal)
-                    if rule is None:
+                    block = _block(q_chunk, k_chunk, q_rows.stop - q_rows.start, left, right)
+                    if block is None:
                         continue
+                    rows, keys = _sub(q_rows, block[0]), _sub(k_rows, block[1])
+                    block_sinks = sinks if q_chunk == k_chunk else None
                     # With the merged out and lse, each block's backward is its share of the whole one.
-                    dq_part, dk_part, dv_part, _ = torch.ops.flashattn.bwd(
-                        dout[:, :, q_rows], q[:, :, q_rows], k_blk[:, :, k_rows], v_blk[:, :, k_rows],
-                        out[:, :, q_rows], lse[:, :, q_rows], rule, scale, None, deterministic, [-1, -1], softcap,
+                    dq_part, dk_part, dv_part, dsinks_part = torch.ops.flashattn.bwd(
+                        dout[:, :, rows], q[:, :, rows], k_blk[:, :, keys], v_blk[:, :, keys], out[:, :, rows],
+                        lse[:, :, rows], False, scale, None, deterministic, block[2], softcap, block_sinks,
                     )
-                    dq[:, :, q_rows] += dq_part
-                    dk_acc[:, :, k_rows] += dk_part
-                    dv_acc[:, :, k_rows] += dv_part
+                    dq[:, :, rows] += dq_part
+                    dk_acc[:, :, keys] += dk_part
+                    dv_acc[:, :, keys] += dv_part
+                    if block_sinks is not None:
+                        dsinks += dsinks_part
             # Pass the shard on with its gradients; after the last step only the gradients go home (one more hop).
             send = travelling if step + 1 < ring.world else [dk_acc, dv_acc]
             received, pending = ring.start(send)
@@ -165,7 +195,8 @@ class _RingAttention(torch.autograd.Function):
             travelling = received if step + 1 < ring.world else None
             if travelling is None:
                 dk, dv = received
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks, None, None
 
 
 def ring_flash_attn(
@@ -176,7 +207,9 @@ def ring_flash_attn(
     scale: Optional[float] = None,
     group=None,
     layout: str = "contiguous",
+    window_size: Tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention over a sequence sharded across the ranks of `group` (the default group when None).
 
@@ -184,10 +217,12 @@ def ring_flash_attn(
         q: (B, H, L_local, D) this rank's queries; k, v: (B, Hk, L_local, D) its keys and values (GQA: Hk | H). Every
             rank passes the same B, heads, D and L_local.
         causal: causal over the whole sequence (positions in the layout's global order).
-        scale, softcap: as in :func:`flashattn_ext.flash_attn`.
+        scale, window_size, softcap, sinks: as in :func:`flashattn_ext.flash_attn`, over the whole sequence (the
+            window in global positions).
         layout: "contiguous" (rank r holds chunk r of W) or "zigzag" (chunks r and 2W - 1 - r of 2W; L_local even).
 
-    Differentiable in q, k and v: each rank gets the gradients of its own shard. Returns this rank's output rows
+    Differentiable in q, k, v and sinks: each rank gets the gradients of its own shard, and its share of the sinks'
+    gradient (summed over the ranks as for any replicated parameter, e.g. by DDP). Returns this rank's output rows
     (B, H, L_local, D) in q's dtype.
     """
     if layout not in LAYOUTS:
@@ -197,4 +232,6 @@ def ring_flash_attn(
     if q.shape[2] != k.shape[2] or k.shape != v.shape:
         raise ValueError(f"ring_flash_attn: q, k and v must hold the same positions, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    return _RingAttention.apply(q, k, v, causal, scale, softcap, group, layout)
+    if len(window_size) != 2 or min(window_size) < -1:
+        raise ValueError(f"ring_flash_attn: window_size must be (left, right) with entries >= -1, got {window_size}")
+    return _RingAttention.apply(q, k, v, causal, scale, tuple(window_size), softcap, sinks, group, layout)

@@ -12,12 +12,15 @@ import torch.multiprocessing as mp
 import flashattn_ext
 from flashattn_ext.distributed import ring_flash_attn, zigzag_shard, zigzag_unshard
 
-CASES = [  # (layout, causal, heads, heads_kv, softcap)
-    ("contiguous", False, 2, 2, 0.0),
-    ("contiguous", True, 4, 2, 0.0),
-    ("zigzag", True, 2, 2, 0.0),
-    ("zigzag", False, 4, 1, 0.0),
-    ("zigzag", True, 4, 2, 3.0),
+CASES = [  # (layout, causal, heads, heads_kv, window, softcap, sinks)
+    ("contiguous", False, 2, 2, (-1, -1), 0.0, False),
+    ("contiguous", True, 4, 2, (-1, -1), 0.0, False),
+    ("zigzag", True, 2, 2, (-1, -1), 0.0, False),
+    ("zigzag", False, 4, 1, (-1, -1), 0.0, False),
+    ("zigzag", True, 4, 2, (-1, -1), 3.0, True),
+    ("zigzag", True, 2, 2, (7, -1), 0.0, False),  # a causal window reaching back past one chunk
+    ("contiguous", False, 2, 2, (5, 13), 0.0, True),  # two-sided, crossing chunk boundaries both ways
+    ("zigzag", False, 2, 1, (2, 0), 1.5, False),  # a window narrower than a chunk
 ]
 
 
@@ -28,22 +31,25 @@ def shard(x, layout, rank, world):
 def run_rank(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for layout, causal, heads, heads_kv, softcap in CASES:
+        for layout, causal, heads, heads_kv, window, softcap, with_sinks in CASES:
             torch.manual_seed(0)  # the same whole tensors on every rank
             length, dim = 12 * world, 8
             q = torch.randn(2, heads, length, dim, dtype=torch.float64)
             k = torch.randn(2, heads_kv, length, dim, dtype=torch.float64)
             v = torch.randn(2, heads_kv, length, dim, dtype=torch.float64)
             dout = torch.randn(2, heads, length, dim, dtype=torch.float64)
+            sinks = torch.linspace(-1.0, 1.0, heads, dtype=torch.float32) if with_sinks else None
+            mods = dict(causal=causal, window_size=window, softcap=softcap)
             # One process over the whole sequence.
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = flashattn_ext.flash_attn(*whole, causal=causal, softcap=softcap)
+            ref = flashattn_ext.flash_attn(*whole, **mods, sinks=sinks)
             ref_grads = torch.autograd.grad(ref, whole, dout)
             # This rank's shard through the ring.
             local = [shard(t, layout, rank, world).detach().requires_grad_() for t in (q, k, v)]
-            out = ring_flash_attn(*local, causal=causal, layout=layout, softcap=softcap)
+            ring_sinks = sinks.clone().requires_grad_() if with_sinks else None
+            out = ring_flash_attn(*local, layout=layout, **mods, sinks=ring_sinks)
             grads = torch.autograd.grad(out, local, shard(dout, layout, rank, world))
-            what = f"{layout} causal={causal} H={heads} Hk={heads_kv} softcap={softcap} rank {rank}/{world}"
+            what = f"{layout} {mods} H={heads} Hk={heads_kv} sinks={with_sinks} rank {rank}/{world}"
             # The partial results merge through lse, which is float32 by the op's contract: float32-sized tolerances
             # (a wrong block rule or a lost shard is off by O(1)).
             torch.testing.assert_close(out, shard(ref, layout, rank, world), atol=2e-6, rtol=2e-6,
@@ -51,6 +57,15 @@ def run_rank(rank, world, init_file):
             for name, g, r in zip("qkv", grads, ref_grads):
                 torch.testing.assert_close(g, shard(r, layout, rank, world), atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"d{name}, {what}: {m}")
+            if with_sinks:  # each rank's share, summed over the ring, is the whole gradient
+                whole_sinks = sinks.clone().requires_grad_()
+                ref_out = flashattn_ext.flash_attn(*[t.detach() for t in (q, k, v)], **mods, sinks=whole_sinks)
+                (ref_dsinks,) = torch.autograd.grad(ref_out, whole_sinks, dout)
+                out = ring_flash_attn(*local, layout=layout, **mods, sinks=ring_sinks)
+                (dsinks,) = torch.autograd.grad(out, ring_sinks, shard(dout, layout, rank, world))
+                dist.all_reduce(dsinks)
+                torch.testing.assert_close(dsinks, ref_dsinks, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"dsinks, {what}: {m}")
     finally:
         dist.destroy_process_group()
 
