@@ -199,14 +199,18 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.softcap = softcap
 
 
-def _fwd_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
+def _output_grads(dout: Optional[Tensor], dlse: Optional[Tensor], out: Tensor):
+    """The gradients of out and lse as the backward ops take them."""
     if dout is None:  # only lse was used downstream
         dout = torch.zeros_like(out)
     elif dout.stride(-1) != 1:  # autograd hands out expanded grads (e.g. of out.sum()); the kernels need rows
         dout = dout.contiguous()
-    if dlse is not None:
-        dlse = dlse.contiguous()
+    return dout, None if dlse is None else dlse.contiguous()
+
+
+def _fwd_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dout, dlse = _output_grads(dout, dlse, out)
     dq, dk, dv, dsinks = torch.ops.flashattn.bwd(
         dout, q, k, v, out, lse, ctx.causal, ctx.scale, dlse, torch.are_deterministic_algorithms_enabled(),
         ctx.window_size, ctx.softcap, sinks,
@@ -229,12 +233,7 @@ def _fwd_varlen_setup_context(ctx, inputs, output):
 
 def _fwd_varlen_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
-    if dout is None:  # only lse was used downstream
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    if dlse is not None:
-        dlse = dlse.contiguous()
+    dout, dlse = _output_grads(dout, dlse, out)
     dq, dk, dv, dsinks = torch.ops.flashattn.bwd_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal, ctx.scale, dlse,
         torch.are_deterministic_algorithms_enabled(), ctx.window_size, ctx.softcap, sinks,

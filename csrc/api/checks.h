@@ -106,32 +106,6 @@ inline void check_cu_seqlens_values(const at::Tensor& cu_seqlens, int64_t total,
   TORCH_CHECK(c[n - 1] == total, op, ": ", name, "[-1] must equal the packed length ", total, ", got ", c[n - 1]);
 }
 
-// The packed backward's extra tensors: dout and out like q, lse and dlse float32 (H, total_q) on q's device.
-inline void check_varlen_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
-                                    const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-                                    const VarlenShape& vs, const char* op = "flashattn.bwd_varlen") {
-  for (const auto* t : {&dout, &out}) {
-    const char* name = t == &dout ? "dout" : "out";
-    TORCH_CHECK(t->sizes() == q.sizes(), op, ": ", name, " must have q's shape ", q.sizes(), ", got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), op, ": ", name, " must have q's dtype ", q.scalar_type(),
-                ", got ", t->scalar_type());
-    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
-                t->device());
-    TORCH_CHECK(t->stride(2) == 1 || t->size(2) == 1, op, ": ", name,
-                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(2));
-  }
-  const std::vector<int64_t> lse_shape{vs.heads, vs.total_q};
-  for (const at::Tensor* t : {&lse, dlse.has_value() ? &*dlse : nullptr}) {
-    if (t == nullptr) continue;
-    const char* name = t == &lse ? "lse" : "dlse";
-    TORCH_CHECK(t->sizes() == at::IntArrayRef(lse_shape), op, ": ", name, " must have shape (H, total_q) = ",
-                at::IntArrayRef(lse_shape), ", got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t->scalar_type());
-    TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
-                t->device());
-  }
-}
-
 // Every backend works with scale * log2(e) in float32 (the kernels take exp2), so |scale| is bounded by that.
 inline constexpr double kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634;  // log2(e)
 
@@ -183,12 +157,11 @@ inline ScoreMods check_score_mods(const at::Tensor& q, const AttentionShape& s, 
   return mods;
 }
 
-// The backward's extra tensors must match what fwd produced for these q, k, v.
-inline AttentionShape check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                       const std::optional<at::Tensor>& dlse) {
-  constexpr const char* op = "flashattn.bwd";
-  const AttentionShape s = check_fwd_inputs(q, k, v, op);
+// A backward's dout and out: q's shape, dtype and device, rows contiguous; lse and dlse: float32 of `lse_shape`
+// (spelt `lse_dims` in messages) on q's device.
+inline void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
+                              const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::IntArrayRef lse_shape,
+                              const char* lse_dims, const char* op) {
   for (const auto* t : {&dout, &out}) {
     const char* name = t == &dout ? "dout" : "out";
     TORCH_CHECK(t->sizes() == q.sizes(), op, ": ", name, " must have q's shape ", q.sizes(), ", got ", t->sizes());
@@ -196,20 +169,37 @@ inline AttentionShape check_bwd_inputs(const at::Tensor& dout, const at::Tensor&
                 ", got ", t->scalar_type());
     TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
                 t->device());
-    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, op, ": ", name,
-                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(3));
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", name,
+                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(-1));
   }
-  const std::vector<int64_t> lse_shape{s.batch, s.heads, s.len_q};
   for (const at::Tensor* t : {&lse, dlse.has_value() ? &*dlse : nullptr}) {
     if (t == nullptr) continue;
     const char* name = t == &lse ? "lse" : "dlse";
-    TORCH_CHECK(t->sizes() == at::IntArrayRef(lse_shape), op, ": ", name, " must have shape (B, H, Lq) = ",
-                at::IntArrayRef(lse_shape), ", got ", t->sizes());
+    TORCH_CHECK(t->sizes() == lse_shape, op, ": ", name, " must have shape ", lse_dims, " = ", lse_shape, ", got ",
+                t->sizes());
     TORCH_CHECK(t->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t->scalar_type());
     TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
                 t->device());
   }
+}
+
+// The backward's extra tensors must match what fwd produced for these q, k, v.
+inline AttentionShape check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                       const std::optional<at::Tensor>& dlse) {
+  constexpr const char* op = "flashattn.bwd";
+  const AttentionShape s = check_fwd_inputs(q, k, v, op);
+  const std::vector<int64_t> lse_shape{s.batch, s.heads, s.len_q};
+  check_bwd_tensors(dout, q, out, lse, dlse, lse_shape, "(B, H, Lq)", op);
   return s;
+}
+
+// The packed backward's extra tensors: dout and out like q, lse and dlse float32 (H, total_q).
+inline void check_varlen_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
+                                    const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                                    const VarlenShape& vs, const char* op = "flashattn.bwd_varlen") {
+  const std::vector<int64_t> lse_shape{vs.heads, vs.total_q};
+  check_bwd_tensors(dout, q, out, lse, dlse, lse_shape, "(H, total_q)", op);
 }
 
 }  // namespace flashattn
