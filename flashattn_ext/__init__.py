@@ -8,6 +8,15 @@ __version__ = "0.1.0"
 import torch  # noqa: F401  (first: the extension links against libtorch/libc10, which torch loads)
 
 from . import _C  # noqa: F401,E402  (loads the library: runs TORCH_LIBRARY / TORCH_LIBRARY_IMPL registrations)
-from .ops import flash_attn, flash_attn_varlen, flash_attn_varlen_with_lse, flash_attn_with_lse  # noqa: E402
+from .ops import (  # noqa: E402
+    flash_attn,
+    flash_attn_varlen,
+    flash_attn_varlen_with_lse,
+    flash_attn_with_kvcache,
+    flash_attn_with_lse,
+)
 
-__all__ = ["flash_attn", "flash_attn_with_lse", "flash_attn_varlen", "flash_attn_varlen_with_lse", "__version__"]
+__all__ = [
+    "flash_attn", "flash_attn_with_lse", "flash_attn_varlen", "flash_attn_varlen_with_lse", "flash_attn_with_kvcache",
+    "__version__",
+]

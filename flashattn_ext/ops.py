@@ -6,7 +6,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["flash_attn", "flash_attn_with_lse", "flash_attn_varlen", "flash_attn_varlen_with_lse"]
+__all__ = [
+    "flash_attn", "flash_attn_with_lse", "flash_attn_varlen", "flash_attn_varlen_with_lse", "flash_attn_with_kvcache"
+]
 
 
 def flash_attn_with_lse(
@@ -132,6 +134,49 @@ def flash_attn_varlen(
     )[0]
 
 
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor] = None,
+    v: Optional[Tensor] = None,
+    cache_seqlens: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
+    """Attention of a few new queries against a KV cache (decoding), forward only.
+
+    Args:
+        q: (B, H, Lq, D) queries, the last Lq positions of each sequence.
+        k_cache, v_cache: a dense cache (B, Hk, Lmax, D), or a paged one (num_pages, Hk, page_size, D) read through
+            ``block_table`` (int32 (B, max_pages): entry b's pages in order). A (num_pages, page_size, Hk, D) cache
+            passes as ``.transpose(1, 2)`` (any strides with stride(-1) == 1).
+        k, v: optional (B, Hk, Lnew, D) new keys and values, written into the caches (in place) at positions
+            ``cache_seqlens[b] ..``; attention then runs over ``cache_seqlens[b] + Lnew`` keys.
+        cache_seqlens: int32 (B,) valid lengths before the append (default: the whole cache less Lnew). Whatever lies
+            past a valid length (garbage, NaN) never reaches the output. ``cache_seqlens`` itself is not changed.
+        causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per batch entry (bottom-right causal).
+        num_splits: a hint for the split over keys (0: chosen from the shape).
+        return_lse: also return lse (float32, (B, H, Lq)).
+
+    Runs on CPU in this version (CUDA raises a clear error). Returns out (B, H, Lq, D), or (out, lse).
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
+        raise RuntimeError("flash_attn_with_kvcache is forward only: call it under torch.no_grad() or on tensors "
+                           "that do not require grad")
+    out, lse = torch.ops.flashattn.fwd_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, list(window_size), softcap, sinks,
+        num_splits,
+    )
+    return (out, lse) if return_lse else out
+
+
 # ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 
@@ -184,6 +229,15 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
         torch.empty(v.shape, dtype=v.dtype, device=v.device),
         torch.empty((q.shape[1] if sinks is not None else 0,), dtype=torch.float32, device=q.device),
     )
+
+
+@torch.library.register_fake("flashattn::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
+                      scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, num_splits=0):
+    torch._check(q.dim() == 4, lambda: "flashattn.fwd_kvcache: q must be 4-D")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return out, lse
 
 
 # ---- autograd ---------------------------------------------------------------------------------------------------

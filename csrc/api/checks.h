@@ -194,6 +194,76 @@ inline AttentionShape check_bwd_inputs(const at::Tensor& dout, const at::Tensor&
   return s;
 }
 
+// Sizes of a KV-cache call: q (B, H, Lq, D); a dense cache (B, Hk, capacity, D) or a paged one (num_pages, Hk,
+// page_size, D) whose pages each batch entry lists in block_table (B, max_pages); len_new appended keys.
+struct KvCacheShape {
+  int64_t batch, heads, heads_kv, len_q, head_dim, capacity, len_new, page_size, num_pages;
+  bool paged;
+};
+
+// The rules of a KV-cache call that hold without reading cache_seqlens' or block_table's values.
+inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                                         const std::optional<at::Tensor>& cache_seqlens,
+                                         const std::optional<at::Tensor>& block_table,
+                                         const char* op = "flashattn.fwd_kvcache") {
+  TORCH_CHECK(q.dim() == 4, op, ": q must have 4 dimensions (B, H, Lq, D), got ", q.dim());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              ": k_cache and v_cache must have 4 dimensions, got ", k_cache.dim(), " and ", v_cache.dim());
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), op, ": k_cache and v_cache must have the same shape, got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), op,
+              ": q, k_cache and v_cache must have the same dtype, got ", q.scalar_type(), ", ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(q.device() == k_cache.device() && q.device() == v_cache.device(), op,
+              ": q, k_cache and v_cache must be on the same device");
+  KvCacheShape s{q.size(0), q.size(1), k_cache.size(1), q.size(2), q.size(3), 0, 0, 0, 0, block_table.has_value()};
+  TORCH_CHECK(k_cache.size(3) == s.head_dim && s.head_dim >= 1, op, ": q and the caches must have the same head dim "
+              "D >= 1, got ", s.head_dim, " and ", k_cache.size(3));
+  TORCH_CHECK(s.heads_kv > 0 && s.heads % s.heads_kv == 0, op, ": the number of kv heads (", s.heads_kv,
+              ") must divide the number of query heads (", s.heads, ")");
+  if (s.paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == s.batch, op,
+                ": block_table must be int32 of shape (B, max_pages) with B = ", s.batch, ", got ", bt.scalar_type(),
+                " ", bt.sizes());
+    TORCH_CHECK(bt.device() == q.device(), op, ": block_table must be on q's device");
+    s.num_pages = k_cache.size(0);
+    s.page_size = k_cache.size(2);
+    s.capacity = bt.size(1) * s.page_size;
+  } else {
+    TORCH_CHECK(k_cache.size(0) == s.batch, op, ": a dense k_cache must have q's batch size ", s.batch, ", got ",
+                k_cache.size(0));
+    s.capacity = k_cache.size(2);
+  }
+  TORCH_CHECK(k.has_value() == v.has_value(), op, ": k and v must be given together");
+  if (k.has_value()) {
+    for (const auto* t : {&*k, &*v}) {
+      const char* name = t == &*k ? "k" : "v";
+      TORCH_CHECK(t->dim() == 4 && t->size(0) == s.batch && t->size(1) == s.heads_kv && t->size(3) == s.head_dim,
+                  op, ": ", name, " must have shape (B, Hk, Lnew, D) = (", s.batch, ", ", s.heads_kv, ", Lnew, ",
+                  s.head_dim, "), got ", t->sizes());
+      TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->device() == q.device(), op, ": ", name,
+                  " must have q's dtype and device");
+    }
+    TORCH_CHECK(k->size(2) == v->size(2), op, ": k and v must have the same length Lnew");
+    s.len_new = k->size(2);
+  }
+  if (cache_seqlens.has_value()) {
+    const at::Tensor& c = *cache_seqlens;
+    TORCH_CHECK(c.scalar_type() == at::kInt && c.dim() == 1 && c.size(0) == s.batch, op,
+                ": cache_seqlens must be int32 of shape (B,) = (", s.batch, ",), got ", c.scalar_type(), " ",
+                c.sizes());
+    TORCH_CHECK(c.device() == q.device(), op, ": cache_seqlens must be on q's device");
+  }
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, k.has_value() ? &*k : nullptr, v.has_value() ? &*v : nullptr}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, op,
+                ": q, the caches, k and v must have stride(-1) == 1 (contiguous last dimension)");
+  }
+  return s;
+}
+
 // The packed backward's extra tensors: dout and out like q, lse and dlse float32 (H, total_q).
 inline void check_varlen_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
                                     const at::Tensor& lse, const std::optional<at::Tensor>& dlse,

@@ -656,10 +656,84 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
   return {dq, dk, dv, dsinks};
 }
 
+// ==== KV cache ======================================================================================================
+//
+// Per batch entry: the new keys and values are written into the cache at its valid length, then the dense kernel runs
+// over the entry's valid keys: a view of a dense cache, or the entry's pages gathered in order from a paged one.
+// Nothing past a valid length is read.
+
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                                                   const std::optional<at::Tensor>& k,
+                                                   const std::optional<at::Tensor>& v,
+                                                   const std::optional<at::Tensor>& cache_seqlens,
+                                                   const std::optional<at::Tensor>& block_table, bool causal,
+                                                   std::optional<double> scale, at::IntArrayRef window_size,
+                                                   double softcap, const std::optional<at::Tensor>& sinks,
+                                                   int64_t /*num_splits*/) {
+  constexpr const char* op = "flashattn.fwd_kvcache";
+  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, op);
+  check_cpu_dtype(q.scalar_type(), op);
+  const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
+  const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();
+  const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
+  std::vector<int64_t> valid(ks.batch);
+  for (int64_t b = 0; b < ks.batch; ++b) {
+    valid[b] = lengths.defined() ? lengths.data_ptr<int32_t>()[b] : ks.capacity - ks.len_new;
+    TORCH_CHECK(valid[b] >= 0 && valid[b] + ks.len_new <= ks.capacity, op, ": cache_seqlens[", b,
+                "] + Lnew must lie in [0, ", ks.capacity, "] (the cache's length), got ", valid[b], " + ", ks.len_new);
+    if (ks.paged) {
+      const int32_t* row = pages.data_ptr<int32_t>() + b * pages.size(1);
+      for (int64_t i = 0; i * ks.page_size < valid[b] + ks.len_new; ++i) {
+        TORCH_CHECK(row[i] >= 0 && row[i] < ks.num_pages, op, ": block_table[", b, ", ", i, "] = ", row[i],
+                    " is not a page of the cache (0 .. ", ks.num_pages - 1, ")");
+      }
+    }
+  }
+  // Position p of entry b: (page, offset) in a paged cache, (b, p) in a dense one.
+  const auto slot = [&](int64_t b, int64_t p) -> std::pair<int64_t, int64_t> {
+    if (!ks.paged) return {b, p};
+    return {pages.data_ptr<int32_t>()[b * pages.size(1) + p / ks.page_size], p % ks.page_size};
+  };
+  at::Tensor out = at::empty({ks.batch, ks.heads, ks.len_q, ks.head_dim}, q.options());
+  at::Tensor lse = at::empty({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
+  for (int64_t b = 0; b < ks.batch; ++b) {
+    for (int64_t t = 0; t < ks.len_new; ++t) {
+      const auto [where, offset] = slot(b, valid[b] + t);
+      k_cache.select(0, where).select(1, offset).copy_(k->select(0, b).select(1, t));
+      v_cache.select(0, where).select(1, offset).copy_(v->select(0, b).select(1, t));
+    }
+    const int64_t len_k = valid[b] + ks.len_new;
+    at::Tensor keys, values;
+    if (ks.paged) {  // the entry's pages in order, as (1, Hk, len_k, D)
+      const int64_t used = (len_k + ks.page_size - 1) / ks.page_size;
+      const at::Tensor entry_pages = pages.select(0, b).narrow(0, 0, used).to(at::kLong);
+      const auto gather = [&](const at::Tensor& cache) {
+        const at::Tensor rows = cache.index_select(0, entry_pages).transpose(0, 1);  // (Hk, used, page_size, D)
+        return rows.reshape({ks.heads_kv, used * ks.page_size, ks.head_dim}).narrow(1, 0, len_k).unsqueeze(0);
+      };
+      keys = gather(k_cache);
+      values = gather(v_cache);
+    } else {
+      keys = k_cache.narrow(0, b, 1).narrow(2, 0, len_k);
+      values = v_cache.narrow(0, b, 1).narrow(2, 0, len_k);
+    }
+    const AttentionShape s{1, ks.heads, ks.heads_kv, ks.len_q, len_k, ks.head_dim};
+    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
+    if (s.empty()) continue;
+    at::Tensor out_b = out.narrow(0, b, 1);
+    at::Tensor lse_b = lse.narrow(0, b, 1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_kvcache_cpu", [&] {
+      fwd_cpu_kernel<scalar_t>(q.narrow(0, b, 1), keys, values, out_b, lse_b, s, mods, softmax_scale);
+    });
+  }
+  return {out, lse};
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_IMPL(flashattn, CPU, m) {
+  m.impl("fwd_kvcache", &flashattn::fwd_kvcache_cpu);
   m.impl("fwd", &flashattn::fwd_cpu);
   m.impl("bwd", &flashattn::bwd_cpu);
   m.impl("fwd_varlen", &flashattn::fwd_varlen_cpu);

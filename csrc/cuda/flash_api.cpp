@@ -432,10 +432,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   return {};
 }
 
+// The KV-cache forward: not on CUDA yet (split-KV, pack-GQA and paged reads are its kernels' work); inputs checked.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                                                    const std::optional<at::Tensor>& k,
+                                                    const std::optional<at::Tensor>& v,
+                                                    const std::optional<at::Tensor>& cache_seqlens,
+                                                    const std::optional<at::Tensor>& block_table, bool,
+                                                    std::optional<double>, at::IntArrayRef, double,
+                                                    const std::optional<at::Tensor>&, int64_t) {
+  check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
+  TORCH_CHECK(false, "flashattn.fwd_kvcache: the KV-cache API runs on CPU only in this version; on CUDA, call "
+                     "flash_attn with q against the cache's valid keys (bottom-right causal)");
+  return {};
+}
+
 }  // namespace
 }  // namespace flashattn
 
 TORCH_LIBRARY_IMPL(flashattn, CUDA, m) {
+  m.impl("fwd_kvcache", &flashattn::fwd_kvcache_cuda);
   m.impl("fwd", &flashattn::fwd_cuda);
   m.impl("bwd", &flashattn::bwd_cuda);
   m.impl("fwd_varlen", &flashattn::fwd_varlen_cuda);

@@ -1,0 +1,211 @@
+"""The KV-cache forward (flashattn.fwd_kvcache): appends in place, then attends over each entry's valid keys with the
+same bits as the dense op on those keys (itself checked against the fp64 reference); paged caches give the same
+results as dense ones; nothing past a valid length reaches the output."""
+import pytest
+import torch
+
+import flashattn_ext
+from reference import assert_attention_close
+
+fwd_kvcache = torch.ops.flashattn.fwd_kvcache
+
+B, H, HK, D, LMAX = 3, 4, 2, 16, 96
+
+
+def dense_cache(dtype=torch.float32, poison=True):
+    """k_cache, v_cache (B, Hk, LMAX, D); with poison, NaN everywhere (valid positions are written by the caller)."""
+    k_cache = torch.randn(B, HK, LMAX, D, dtype=dtype)
+    v_cache = torch.randn(B, HK, LMAX, D, dtype=dtype)
+    return k_cache, v_cache
+
+
+def poison_past(cache, lengths):
+    for b, n in enumerate(lengths):
+        cache[b, :, n:] = float("nan")
+
+
+def paged_from_dense(k_cache, v_cache, page_size, seed=0):
+    """The same contents as (num_pages, Hk, page_size, D) pages in a random order, and the block table."""
+    pages_per_entry = LMAX // page_size
+    num_pages = B * pages_per_entry + 3  # spare pages, never listed
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: B * pages_per_entry]
+    block_table = order.view(B, pages_per_entry).to(torch.int32)
+    shape = (num_pages, HK, page_size, D)
+    k_pages = torch.full(shape, float("nan"), dtype=k_cache.dtype)
+    v_pages = torch.full(shape, float("nan"), dtype=v_cache.dtype)
+    for b in range(B):
+        for i in range(pages_per_entry):
+            rows = slice(i * page_size, (i + 1) * page_size)
+            k_pages[block_table[b, i]] = k_cache[b, :, rows]
+            v_pages[block_table[b, i]] = v_cache[b, :, rows]
+    return k_pages, v_pages, block_table
+
+
+def expected(q, k_cache, v_cache, k, v, lengths, **kwargs):
+    """Per entry: the dense op over the valid keys after the append (computed on copies)."""
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        keys, values = k_cache[b : b + 1, :, :n], v_cache[b : b + 1, :, :n]
+        if k is not None:
+            keys, values = torch.cat([keys, k[b : b + 1]], 2), torch.cat([values, v[b : b + 1]], 2)
+        out, lse = flashattn_ext.flash_attn_with_lse(q[b : b + 1], keys, values, **kwargs)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+MODS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "window": dict(causal=True, window_size=(9, 0)),
+    "softcap-sinks": dict(causal=True, softcap=4.0, sinks=True),
+}
+
+
+def mods_for(name):
+    mods = dict(MODS[name])
+    if mods.get("sinks"):
+        mods["sinks"] = torch.linspace(-1.0, 1.0, H)
+    return mods
+
+
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("len_new", [0, 1, 4])
+@pytest.mark.parametrize("len_q", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dense_cache(dtype, len_q, len_new, mods):
+    lengths = [0, 37, LMAX - len_new]  # an empty cache, a partial one, one that the append fills
+    k_cache, v_cache = dense_cache(dtype)
+    poison_past(k_cache, lengths)
+    poison_past(v_cache, lengths)
+    q = torch.randn(B, H, len_q, D, dtype=dtype)
+    k = torch.randn(B, HK, len_new, D, dtype=dtype) if len_new else None
+    v = torch.randn(B, HK, len_new, D, dtype=dtype) if len_new else None
+    kwargs = mods_for(mods)
+    want_out, want_lse = expected(q, k_cache.clone(), v_cache.clone(), k, v, lengths, **kwargs)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True, **kwargs)
+    assert torch.isfinite(out).all(), "nothing past a valid length may reach the output"
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(seqlens, torch.tensor(lengths, dtype=torch.int32)), "cache_seqlens is not changed"
+    if len_new:
+        for b, n in enumerate(lengths):
+            assert torch.equal(k_cache[b, :, n : n + len_new], k[b]) and torch.equal(v_cache[b, :, n : n + len_new], v[b])
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 96])
+@pytest.mark.parametrize("mods", ["causal", "softcap-sinks"])
+def test_paged_cache_matches_dense(page_size, mods):
+    lengths, len_new = [5, 60, LMAX - 2], 2
+    k_cache, v_cache = dense_cache()
+    k_pages, v_pages, block_table = paged_from_dense(k_cache, v_cache, page_size)
+    q = torch.randn(B, H, 2, D)
+    k, v = torch.randn(B, HK, len_new, D), torch.randn(B, HK, len_new, D)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    kwargs = mods_for(mods)
+    dense_out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, **kwargs)
+    paged_out = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, **kwargs)
+    assert torch.equal(paged_out, dense_out)
+    for b, n in enumerate(lengths):  # the appended rows landed in the right pages
+        for t in range(len_new):
+            page, offset = block_table[b, (n + t) // page_size], (n + t) % page_size
+            assert torch.equal(k_pages[page, :, offset], k[b, :, t])
+
+
+def test_paged_cache_in_token_major_layout():
+    # A (num_pages, page_size, Hk, D) cache (vLLM's) passes as a transposed view, written in place through it.
+    k_cache, v_cache = dense_cache()
+    k_pages, v_pages, block_table = paged_from_dense(k_cache, v_cache, 16)
+    k_tok, v_tok = k_pages.transpose(1, 2).contiguous(), v_pages.transpose(1, 2).contiguous()
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
+    seqlens = torch.tensor([3, 40, 70], dtype=torch.int32)
+    want = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, causal=True)
+    got = flashattn_ext.flash_attn_with_kvcache(q, k_tok.transpose(1, 2), v_tok.transpose(1, 2), k, v, seqlens,
+                                                block_table, causal=True)
+    assert torch.equal(got, want)
+    # The same appends landed in both caches (spare pages hold NaN).
+    torch.testing.assert_close(k_tok.transpose(1, 2), k_pages, rtol=0, atol=0, equal_nan=True)
+
+
+def test_against_reference():
+    k_cache, v_cache = dense_cache(torch.float64)
+    q = torch.randn(B, H, 3, D, dtype=torch.float64)
+    lengths = [4, 50, 96]
+    out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
+        lengths, dtype=torch.int32), causal=True, return_lse=True)
+    for b, n in enumerate(lengths):
+        assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], k_cache[b : b + 1, :, :n],
+                               v_cache[b : b + 1, :, :n], causal=True)
+
+
+def test_default_lengths_are_the_whole_cache():
+    k_cache, v_cache = dense_cache()
+    q = torch.randn(B, H, 1, D)
+    assert torch.equal(flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache),
+                       flashattn_ext.flash_attn(q, k_cache, v_cache))
+
+
+def test_gradients_are_refused():
+    k_cache, v_cache = dense_cache()
+    q = torch.randn(B, H, 1, D, requires_grad=True)
+    with pytest.raises(RuntimeError, match="forward only"):
+        flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+    with torch.no_grad():
+        flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+
+
+def test_compile_fullgraph():
+    k_cache, v_cache = dense_cache()
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
+    seqlens = torch.tensor([1, 2, 3], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k, v):
+        return flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, causal=True)
+
+    eager_caches = (k_cache.clone(), v_cache.clone())
+    want = step(q, *eager_caches, k, v)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k_cache, v_cache, k, v)
+    assert torch.equal(got, want) and torch.equal(k_cache, eager_caches[0])
+
+
+def test_opcheck():
+    k_cache, v_cache = dense_cache()
+    q, k, v = torch.randn(B, H, 2, D), torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
+    seqlens = torch.tensor([1, 2, 3], dtype=torch.int32)
+    torch.library.opcheck(fwd_kvcache.default, (q, k_cache, v_cache, k, v, seqlens), dict(causal=True))
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(cache_seqlens=torch.tensor([0, 1, 96], dtype=torch.int32)), r"cache_seqlens\[2\] \+ Lnew must lie in"),
+        (dict(cache_seqlens=torch.tensor([0, 1], dtype=torch.int32)), r"cache_seqlens must be int32 of shape \(B,\)"),
+        (dict(v=None), "k and v must be given together"),
+        (dict(block_table=torch.zeros(3, 2, dtype=torch.int64)), "block_table must be int32"),
+        (dict(k=torch.randn(B, HK, 1, 8)), r"k must have shape \(B, Hk, Lnew, D\)"),
+    ],
+    ids=["overflow", "seqlens-shape", "k-alone", "table-dtype", "k-shape"],
+)
+def test_bad_arguments(change, message):
+    k_cache, v_cache = dense_cache()
+    args = dict(q=torch.randn(B, H, 1, D), k_cache=k_cache, v_cache=v_cache, k=torch.randn(B, HK, 1, D),
+                v=torch.randn(B, HK, 1, D), cache_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32))
+    args.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        fwd_kvcache(**args)
+
+
+def test_block_table_out_of_range():
+    k_cache, v_cache = dense_cache()
+    k_pages, v_pages, block_table = paged_from_dense(k_cache, v_cache, 32)
+    block_table[1, 0] = 1000
+    with pytest.raises(RuntimeError, match=r"block_table\[1, 0\] = 1000 is not a page"):
+        fwd_kvcache(torch.randn(B, H, 1, D), k_pages, v_pages, None, None, torch.tensor([1, 1, 1], dtype=torch.int32),
+                    block_table)
+
+
+@pytest.mark.cuda
+def test_cuda_says_not_yet():
+    k_cache = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="runs on CPU only"):
+        fwd_kvcache(torch.randn(1, 2, 1, 64, dtype=torch.bfloat16, device="cuda"), k_cache, k_cache.clone())
