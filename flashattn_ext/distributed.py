@@ -83,6 +83,16 @@ def _sub(rows: slice, part: slice) -> slice:
     return slice(rows.start + part.start, rows.start + part.stop)
 
 
+def _block_calls(layout: str, rank: int, source: int, world: int, length: int, left: int, right: int):
+    """The op calls of this rank's queries against `source`'s shard: (query rows, key rows, window, whether the key
+    chunk is the query chunk itself), rows of the local tensors (both `length` long)."""
+    for q_chunk, q_rows in _pieces(layout, rank, world, length):
+        for k_chunk, k_rows in _pieces(layout, source, world, length):
+            block = _block(q_chunk, k_chunk, q_rows.stop - q_rows.start, left, right)
+            if block is not None:
+                yield _sub(q_rows, block[0]), _sub(k_rows, block[1]), block[2], q_chunk == k_chunk
+
+
 def _merge(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> Tuple[Tensor, Tensor]:
     """Two partial softmax results over disjoint keys, merged in float32 through their lse (rows that saw no key on
     either side keep out 0 and lse -inf)."""
@@ -125,7 +135,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, window_size, softcap, sinks, group, layout):
         ring = _Ring(group)
-        pieces = _pieces(layout, ring.rank, ring.world, q.shape[2])
         left, right = window_size[0], 0 if causal else window_size[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -135,18 +144,14 @@ class _RingAttention(torch.autograd.Function):
             pending = None
             if step + 1 < ring.world:
                 incoming, pending = ring.start(kv)
-            for q_chunk, q_rows in pieces:
-                for k_chunk, k_rows in _pieces(layout, source, ring.world, k.shape[2]):
-                    block = _block(q_chunk, k_chunk, q_rows.stop - q_rows.start, left, right)
-                    if block is None:
-                        continue
-                    rows, keys = _sub(q_rows, block[0]), _sub(k_rows, block[1])
-                    # The sinks join each row's denominator once: in its own chunk's block (never cut).
-                    part_out, part_lse = flash_attn_with_lse(
-                        q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], False, scale, block[2], softcap,
-                        sinks if q_chunk == k_chunk else None,
-                    )
-                    out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+            for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2], left,
+                                                              right):
+                # The sinks join each row's denominator once: in its own chunk's block (never cut).
+                part_out, part_lse = flash_attn_with_lse(
+                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], False, scale, window, softcap,
+                    sinks if own_chunk else None,
+                )
+                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if pending is not None:
                 ring.finish(pending)
                 kv = incoming
@@ -161,7 +166,6 @@ class _RingAttention(torch.autograd.Function):
         left, right, scale, softcap, group, layout = ctx.options
         ring = _Ring(group)
         dout = dout.contiguous()
-        pieces = _pieces(layout, ring.rank, ring.world, q.shape[2])
         deterministic = torch.are_deterministic_algorithms_enabled()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=q.device) if sinks is not None else None
@@ -171,23 +175,19 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.world):
             source = (ring.rank - step) % ring.world
             k_blk, v_blk, dk_acc, dv_acc = travelling
-            for q_chunk, q_rows in pieces:
-                for k_chunk, k_rows in _pieces(layout, source, ring.world, k.shape[2]):
-                    block = _block(q_chunk, k_chunk, q_rows.stop - q_rows.start, left, right)
-                    if block is None:
-                        continue
-                    rows, keys = _sub(q_rows, block[0]), _sub(k_rows, block[1])
-                    block_sinks = sinks if q_chunk == k_chunk else None
-                    # With the merged out and lse, each block's backward is its share of the whole one.
-                    dq_part, dk_part, dv_part, dsinks_part = torch.ops.flashattn.bwd(
-                        dout[:, :, rows], q[:, :, rows], k_blk[:, :, keys], v_blk[:, :, keys], out[:, :, rows],
-                        lse[:, :, rows], False, scale, None, deterministic, block[2], softcap, block_sinks,
-                    )
-                    dq[:, :, rows] += dq_part
-                    dk_acc[:, :, keys] += dk_part
-                    dv_acc[:, :, keys] += dv_part
-                    if block_sinks is not None:
-                        dsinks += dsinks_part
+            for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2], left,
+                                                              right):
+                block_sinks = sinks if own_chunk else None
+                # With the merged out and lse, each block's backward is its share of the whole one.
+                dq_part, dk_part, dv_part, dsinks_part = torch.ops.flashattn.bwd(
+                    dout[:, :, rows], q[:, :, rows], k_blk[:, :, keys], v_blk[:, :, keys], out[:, :, rows],
+                    lse[:, :, rows], False, scale, None, deterministic, window, softcap, block_sinks,
+                )
+                dq[:, :, rows] += dq_part
+                dk_acc[:, :, keys] += dk_part
+                dv_acc[:, :, keys] += dv_part
+                if block_sinks is not None:
+                    dsinks += dsinks_part
             # Pass the shard on with its gradients; after the last step only the gradients go home (one more hop).
             send = travelling if step + 1 < ring.world else [dk_acc, dv_acc]
             received, pending = ring.start(send)
