@@ -90,7 +90,8 @@ def test_dense_cache(dtype, len_q, len_new, mods):
     assert torch.equal(seqlens, torch.tensor(lengths, dtype=torch.int32)), "cache_seqlens is not changed"
     if len_new:
         for b, n in enumerate(lengths):
-            assert torch.equal(k_cache[b, :, n : n + len_new], k[b]) and torch.equal(v_cache[b, :, n : n + len_new], v[b])
+            assert torch.equal(k_cache[b, :, n : n + len_new], k[b])
+            assert torch.equal(v_cache[b, :, n : n + len_new], v[b])
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 96])
