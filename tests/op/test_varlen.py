@@ -208,3 +208,15 @@ def test_cuda_says_not_yet():
     q, k, v, cu_q, cu_k = packed_inputs([(3, 3)], 2, 2, 64, torch.bfloat16, "cuda")
     with pytest.raises(RuntimeError, match="packed sequences run on CPU only"):
         fwd_varlen(q, k, v, cu_q, cu_k)
+
+
+@pytest.mark.dtypes(cpu=[torch.bfloat16], cuda=[])
+def test_autocast(device, dtype):
+    # fp32 q and k (after a QK-norm autocast ran in fp32) with a bf16 v run in bf16, as the dense op does.
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 16, torch.float32, device)
+    v = v.to(dtype)
+    with torch.autocast(device, dtype=dtype):
+        out = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert out.dtype == dtype
+    want = flashattn_ext.flash_attn_varlen(q.to(dtype), k.to(dtype), v, cu_q, cu_k, causal=True)
+    assert torch.equal(out, want)
