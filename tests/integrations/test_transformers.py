@@ -77,6 +77,26 @@ def test_packed_batch_matches_padded(name):
     torch.testing.assert_close(packed.logits[0], torch.cat(alone), atol=2e-5, rtol=1e-4)
 
 
+def test_packed_batch_from_flattening_kwargs(monkeypatch):
+    # DataCollatorWithFlattening's cu_seq_lens_q / cu_seq_lens_k (and max lengths) reach the attention as kwargs,
+    # and the packed call takes its boundaries from them.
+    seen = []
+    packed_call = fa_hf._packed_call
+    monkeypatch.setattr(fa_hf, "_packed_call", lambda *a, **kw: seen.append(a[3].tolist()) or packed_call(*a, **kw))
+    model = model_pair("llama")
+    model.set_attn_implementation(fa_hf.NAME)
+    torch.manual_seed(3)
+    seqs = [torch.randint(0, 128, (n,)) for n in (6, 11, 3)]
+    cu = torch.tensor([0, 6, 17, 20], dtype=torch.int32)
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        packed = model(torch.cat(seqs)[None], position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=11, max_length_k=11)
+        alone = [model(s[None]).logits[0] for s in seqs]
+    torch.testing.assert_close(packed.logits[0], torch.cat(alone), atol=2e-5, rtol=1e-4)
+    assert seen and all(bounds == cu.tolist() for bounds in seen)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_generation_matches_eager(name):
     model = model_pair(name)
