@@ -585,6 +585,21 @@ std::pair<at::Tensor, at::Tensor> checked_cu_seqlens(const at::Tensor& cu_seqlen
   return {cu_q, cu_k};
 }
 
+// Calls fn(row of q, row of k, shape, score mods) for every sequence with queries, in order (each sequence as a dense
+// (1, H, L_q, D) x (1, Hk, L_k, D) call, its score modifications checked and normalised for its own lengths).
+template <typename Fn>
+void for_each_sequence(const at::Tensor& cu_q, const at::Tensor& cu_k, const at::Tensor& q, const VarlenShape& vs,
+                       bool causal, at::IntArrayRef window_size, double softcap,
+                       const std::optional<at::Tensor>& sinks, const char* op, Fn&& fn) {
+  const int32_t* cq = cu_q.data_ptr<int32_t>();
+  const int32_t* ck = cu_k.data_ptr<int32_t>();
+  for (int64_t b = 0; b < vs.batch; ++b) {
+    const AttentionShape s{1, vs.heads, vs.heads_kv, cq[b + 1] - cq[b], ck[b + 1] - ck[b], vs.head_dim};
+    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
+    if (!s.empty()) fn(cq[b], ck[b], s, mods);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_varlen_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                   std::optional<int64_t> /*max_seqlen_q*/,
@@ -598,20 +613,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cpu(const at::Tensor& q, const at:
   const auto [cu_q, cu_k] = checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, vs, op);
   at::Tensor out = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
   at::Tensor lse = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
-  const int32_t* cq = cu_q.data_ptr<int32_t>();
-  const int32_t* ck = cu_k.data_ptr<int32_t>();
-  for (int64_t b = 0; b < vs.batch; ++b) {
-    const int64_t len_q = cq[b + 1] - cq[b], len_k = ck[b + 1] - ck[b];
-    const AttentionShape s{1, vs.heads, vs.heads_kv, len_q, len_k, vs.head_dim};
-    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
-    if (s.empty()) continue;
-    at::Tensor out_b = sequence_view(out, cq[b], len_q);
-    at::Tensor lse_b = sequence_lse(lse, cq[b], len_q);
+  for_each_sequence(cu_q, cu_k, q, vs, causal, window_size, softcap, sinks, op,
+                    [&](int64_t row_q, int64_t row_k, const AttentionShape& s, const ScoreMods& mods) {
+    at::Tensor out_b = sequence_view(out, row_q, s.len_q);
+    at::Tensor lse_b = sequence_lse(lse, row_q, s.len_q);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_varlen_cpu", [&] {
-      fwd_cpu_kernel<scalar_t>(sequence_view(q, cq[b], len_q), sequence_view(k, ck[b], len_k),
-                               sequence_view(v, ck[b], len_k), out_b, lse_b, s, mods, softmax_scale);
+      fwd_cpu_kernel<scalar_t>(sequence_view(q, row_q, s.len_q), sequence_view(k, row_k, s.len_k),
+                               sequence_view(v, row_k, s.len_k), out_b, lse_b, s, mods, softmax_scale);
     });
-  }
+  });
   return {out, lse};
 }
 
@@ -632,27 +642,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
   at::Tensor dk = at::zeros(k.sizes(), k.options());
   at::Tensor dv = at::zeros(v.sizes(), v.options());
   at::Tensor dsinks = at::zeros({sinks.has_value() ? vs.heads : 0}, q.options().dtype(at::kFloat));
-  const int32_t* cq = cu_q.data_ptr<int32_t>();
-  const int32_t* ck = cu_k.data_ptr<int32_t>();
-  for (int64_t b = 0; b < vs.batch; ++b) {
-    const int64_t len_q = cq[b + 1] - cq[b], len_k = ck[b + 1] - ck[b];
-    const AttentionShape s{1, vs.heads, vs.heads_kv, len_q, len_k, vs.head_dim};
-    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
-    if (s.empty()) continue;
-    at::Tensor dq_b = sequence_view(dq, cq[b], len_q);
-    at::Tensor dk_b = sequence_view(dk, ck[b], len_k);
-    at::Tensor dv_b = sequence_view(dv, ck[b], len_k);
+  for_each_sequence(cu_q, cu_k, q, vs, causal, window_size, softcap, sinks, op,
+                    [&](int64_t row_q, int64_t row_k, const AttentionShape& s, const ScoreMods& mods) {
+    const int64_t len_q = s.len_q, len_k = s.len_k;
+    at::Tensor dq_b = sequence_view(dq, row_q, len_q);
+    at::Tensor dk_b = sequence_view(dk, row_k, len_k);
+    at::Tensor dv_b = sequence_view(dv, row_k, len_k);
     at::Tensor dsinks_b = at::zeros_like(dsinks);
     const std::optional<at::Tensor> dlse_b =
-        dlse.has_value() ? std::optional<at::Tensor>(sequence_lse(*dlse, cq[b], len_q)) : std::nullopt;
+        dlse.has_value() ? std::optional<at::Tensor>(sequence_lse(*dlse, row_q, len_q)) : std::nullopt;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_bwd_varlen_cpu", [&] {
-      bwd_cpu_kernel<scalar_t>(sequence_view(dout, cq[b], len_q), sequence_view(q, cq[b], len_q),
-                               sequence_view(k, ck[b], len_k), sequence_view(v, ck[b], len_k),
-                               sequence_view(out, cq[b], len_q), sequence_lse(lse, cq[b], len_q), dlse_b, dq_b, dk_b,
+      bwd_cpu_kernel<scalar_t>(sequence_view(dout, row_q, len_q), sequence_view(q, row_q, len_q),
+                               sequence_view(k, row_k, len_k), sequence_view(v, row_k, len_k),
+                               sequence_view(out, row_q, len_q), sequence_lse(lse, row_q, len_q), dlse_b, dq_b, dk_b,
                                dv_b, dsinks_b, s, mods, softmax_scale);
     });
     dsinks.add_(dsinks_b);  // sequence by sequence: a fixed order
-  }
+  });
   return {dq, dk, dv, dsinks};
 }
 
