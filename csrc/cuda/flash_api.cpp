@@ -44,12 +44,18 @@ std::string row_alignment_violation(const at::Tensor& t) {
     return c10::str(" must be 16-byte aligned (its data pointer is not; its storage offset is ", t.storage_offset(),
                     ")");
   }
-  for (int dim = 0; dim < 3; ++dim) {
+  for (int64_t dim = 0; dim + 1 < t.dim(); ++dim) {
     if (t.size(dim) > 1 && t.stride(dim) % 8 != 0) {
       return c10::str(".stride(", dim, ") must be a multiple of 8 elements (16 bytes), got ", t.stride(dim));
     }
   }
   return {};
+}
+
+// `t`, or a contiguous copy where its rows are not 16-byte aligned: gradients can arrive as arbitrary views (e.g. a
+// narrow of a concatenation), and the fused backwards need 16-byte rows.
+at::Tensor with_aligned_rows(const at::Tensor& t) {
+  return row_alignment_violation(t).empty() ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // CUDA-only rules for the q, k, v the kernels read, shared by fwd and bwd.
@@ -332,11 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   if ((deterministic && !ordered_dq) || (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket)) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
-  // Gradients can arrive as arbitrary views (e.g. a narrow of a concatenation); the fused kernels need 16-byte rows.
-  const auto aligned = [](const at::Tensor& t) {
-    return row_alignment_violation(t).empty() ? t : t.clone(at::MemoryFormat::Contiguous);
-  };
-  const at::Tensor dout_rows = aligned(dout);
+  const at::Tensor dout_rows = with_aligned_rows(dout);
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   BwdParams params = make_bwd_inputs(dout_rows, q, k, v, s, softmax_scale);
   set_score_mods(params, mods);
@@ -349,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
                                                                             : BwdPath::kChunked;
   if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
 
-  const at::Tensor out_rows = aligned(out);
+  const at::Tensor out_rows = with_aligned_rows(out);
   const at::Tensor lse_rows = lse.contiguous();
   const std::optional<at::Tensor> dlse_rows =
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
@@ -409,27 +411,153 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   return {dq, dk, dv, dsinks};
 }
 
-// Packed sequences: not on CUDA yet (the kernels must walk the sequences' tiles on the device, with no host read of
-// cu_seqlens); the inputs are checked first, so a call that could not run anyway says why.
+// ==== Packed sequences =============================================================================================
+//
+// One launch of the sm80 kernels over every sequence: the kernels find each CTA's sequence in cu_seqlens on the device
+// (packed.h), so nothing is read back to the host and a captured graph replays with new lengths.
+
+// CUDA-only rules of a packed call: those of the dense op for the tensors, and 32-bit slot counts.
+void check_cuda_varlen_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const VarlenShape& vs) {
+  check_cuda_inputs(op, q, k, v, AttentionShape{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim});
+  const int64_t slots = (std::max(vs.total_q, vs.total_k) / 64 + vs.batch) * vs.heads;
+  TORCH_CHECK(slots <= std::numeric_limits<int32_t>::max(), op,
+              ": (max(total_q, total_k) / 64 + B) * H must be below 2^31");
+}
+
+// (total, H, D) rows of a packed tensor as the kernels' strides: no batch stride, rows at stride(0).
+struct PackedStrides {
+  int64_t batch = 0, head, row;
+};
+PackedStrides packed_strides(const at::Tensor& t) { return {0, t.stride(1), t.stride(0)}; }
+
+// The packed call's sizes and offsets; p.batch is the number of sequences, len_q and len_k the totals.
+template <typename Params>
+void set_packed_shape(Params& p, const VarlenShape& vs, double scale, const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  set_shape_and_scale(p, AttentionShape{vs.batch, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim}, scale);
+  p.cu_seqlens_q = cu_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_k.data_ptr<int>();
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                                   std::optional<int64_t>, std::optional<int64_t>, bool,
-                                                   std::optional<double>, at::IntArrayRef, double,
-                                                   const std::optional<at::Tensor>&) {
-  check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k);
-  TORCH_CHECK(false, "flashattn.fwd_varlen: packed sequences run on CPU only in this version; on CUDA, call "
-                     "flash_attn on each sequence (or on a padded batch)");
-  return {};
+                                                   std::optional<int64_t> /*max_seqlen_q*/,
+                                                   std::optional<int64_t> /*max_seqlen_k*/, bool causal,
+                                                   std::optional<double> scale, at::IntArrayRef window_size,
+                                                   double softcap, const std::optional<at::Tensor>& sinks) {
+  constexpr const char* op = "flashattn.fwd_varlen";
+  const VarlenShape vs = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, op);
+  check_cuda_varlen_inputs(op, q, k, v, vs);
+  const double softmax_scale = resolve_scale(scale, vs.head_dim, op);
+  // Bounds are checked against the totals: one that covers every packed key covers every sequence's.
+  const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
+  const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
+  const int bucket = head_dim_bucket(vs.head_dim);
+  TORCH_CHECK(head_dim_bucket_built(bucket), op, ": head dim ", vs.head_dim, " needs bucket ", bucket,
+              ", which this build left out (FLASHATTN_HEADDIMS at build time)");
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor out = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
+  at::Tensor lse = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
+  if (vs.total_q == 0 || vs.heads == 0 || vs.batch == 0) return {out, lse};
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+
+  FwdParams p{};
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  const PackedStrides sq = packed_strides(q), sk = packed_strides(k), sv = packed_strides(v), so = packed_strides(out);
+  p.q_batch_stride = sq.batch, p.q_head_stride = sq.head, p.q_row_stride = sq.row;
+  p.k_batch_stride = sk.batch, p.k_head_stride = sk.head, p.k_row_stride = sk.row;
+  p.v_batch_stride = sv.batch, p.v_head_stride = sv.head, p.v_row_stride = sv.row;
+  p.o_batch_stride = so.batch, p.o_head_stride = so.head, p.o_row_stride = so.row;
+  set_packed_shape(p, vs, softmax_scale, cu_q, cu_k);
+  p.causal = mods.plain() ? mods.causal() : mods.right >= 0;
+  set_score_mods(p, mods);
+  p.options = !mods.plain();
+  const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
+  p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
+  p.plan.kernel = FwdKernel::kSm80;
+  p.plan.head_dim = bucket;
+  const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
-    const at::Tensor&, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
-    const at::Tensor&, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, std::optional<int64_t>,
-    std::optional<int64_t>, bool, std::optional<double>, const std::optional<at::Tensor>&, bool, at::IntArrayRef,
-    double, const std::optional<at::Tensor>&) {
-  check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, "flashattn.bwd_varlen");
-  TORCH_CHECK(false, "flashattn.bwd_varlen: packed sequences run on CPU only in this version");
-  return {};
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    std::optional<int64_t> /*max_seqlen_q*/, std::optional<int64_t> /*max_seqlen_k*/, bool causal,
+    std::optional<double> scale, const std::optional<at::Tensor>& dlse, bool deterministic,
+    at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks) {
+  constexpr const char* op = "flashattn.bwd_varlen";
+  const VarlenShape vs = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, op);
+  check_varlen_bwd_inputs(dout, q, out, lse, dlse, vs, op);
+  check_cuda_varlen_inputs(op, q, k, v, vs);
+  const double softmax_scale = resolve_scale(scale, vs.head_dim, op);
+  const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
+  const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
+  const int bucket = head_dim_bucket(vs.head_dim);
+  TORCH_CHECK(head_dim_bucket_built(bucket) && bucket <= kMaxFusedBwdSm80Bucket, op,
+              ": on CUDA the packed backward takes head dims up to ", kMaxFusedBwdSm80Bucket, " in this version, got ",
+              vs.head_dim);
+  TORCH_CHECK(!deterministic, op, ": on CUDA the packed backward adds dQ up in a varying order; it has no "
+              "deterministic mode in this version (torch.use_deterministic_algorithms is on)");
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).
+  at::Tensor dk = at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, k.options());
+  at::Tensor dv = at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, v.options());
+  at::Tensor dsinks = at::zeros({mods.sinks.has_value() ? vs.heads : 0}, q.options().dtype(at::kFloat));
+  if (vs.total_q == 0 || vs.total_k == 0 || vs.heads == 0 || vs.batch == 0) {
+    return {at::zeros({vs.total_q, vs.heads, vs.head_dim}, q.options()), dk, dv, dsinks};
+  }
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+
+  const at::Tensor dout_rows = with_aligned_rows(dout), out_rows = with_aligned_rows(out);
+  const at::Tensor lse_rows = lse.contiguous();
+  const std::optional<at::Tensor> dlse_rows =
+      dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
+  at::Tensor delta = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::zeros({vs.heads, vs.total_q, vs.head_dim}, q.options().dtype(at::kFloat));
+  const bool is_bf16 = q.scalar_type() == at::kBFloat16;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  // delta over the (H, total_q) rows: the dense preprocessing with one batch of total_q rows.
+  BwdDeltaParams dp{};
+  dp.dout = dout_rows.data_ptr(), dp.out = out_rows.data_ptr();
+  dp.do_head_stride = dout_rows.stride(1), dp.do_row_stride = dout_rows.stride(0);
+  dp.o_head_stride = out_rows.stride(1), dp.o_row_stride = out_rows.stride(0);
+  dp.dlse = dlse_rows.has_value() ? dlse_rows->data_ptr<float>() : nullptr;
+  dp.delta = delta.data_ptr<float>();
+  dp.batch = 1, dp.heads = static_cast<int>(vs.heads), dp.len_q = static_cast<int>(vs.total_q);
+  dp.head_dim = static_cast<int>(vs.head_dim);
+  cudaError_t err = sm80::run_bwd_delta(dp, is_bf16, stream);
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+
+  BwdParams p{};
+  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.dout = dout_rows.data_ptr();
+  const PackedStrides sq = packed_strides(q), sk = packed_strides(k), sv = packed_strides(v);
+  const PackedStrides sd = packed_strides(dout_rows);
+  p.q_batch_stride = sq.batch, p.q_head_stride = sq.head, p.q_row_stride = sq.row;
+  p.k_batch_stride = sk.batch, p.k_head_stride = sk.head, p.k_row_stride = sk.row;
+  p.v_batch_stride = sv.batch, p.v_head_stride = sv.head, p.v_row_stride = sv.row;
+  p.do_batch_stride = sd.batch, p.do_head_stride = sd.head, p.do_row_stride = sd.row;
+  set_packed_shape(p, vs, softmax_scale, cu_q, cu_k);
+  set_score_mods(p, mods);
+  p.lse = lse_rows.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  const bool options = mods.window() || mods.softcap > 0.0;
+  err = launch_bwd(p, is_bf16, bucket, options ? mods.right >= 0 : mods.causal(), options, BwdPath::kSm80, stream);
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
+  dq.copy_(dq_accum.permute({1, 0, 2}));
+  if (mods.sinks.has_value()) {
+    dsinks = sink_grads(dout, out, lse.unsqueeze(0), std::nullopt, *mods.sinks, delta.unsqueeze(0));
+  }
+  return {dq, dk, dv, dsinks};
 }
 
 // The KV-cache forward: not on CUDA yet (split-KV, pack-GQA and paged reads are its kernels' work); inputs checked.

@@ -42,6 +42,11 @@ struct FwdParams {
 
   int batch, heads, heads_kv, len_q, len_k, head_dim;
   int heads_per_kv;  // heads / heads_kv: query head h reads kv head h / heads_per_kv (GQA/MQA)
+  // Packed sequences (sm80 kernels; null: dense): int32 (batch + 1) offsets of each sequence's rows in q and out, and
+  // in k and v (packed.h). Then q, k, v and out are (total, heads, D) with batch strides 0, len_q and len_k are the
+  // totals, and lse is (heads, total_q).
+  const int* __restrict__ cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k;
 
   float scale;       // multiplies q·k
   float scale_log2;  // scale * log2(e): the kernels work in exp2
@@ -96,6 +101,10 @@ struct BwdParams {
 
   int batch, heads, heads_kv, len_q, len_k, head_dim;
   int heads_per_kv;
+  // Packed sequences (sm80 kernel), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D]) and dk, dv
+  // (total_k, Hk, D), contiguous.
+  const int* __restrict__ cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k;
   float scale;       // multiplies q·k
   float scale_log2;  // scale * log2(e)
   // As FwdParams' (the sinks enter only through lse, which includes them).

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from reference import assert_attention_close, assert_grads_close, leaves
+from reference import assert_attention_close, assert_grads_close, attention_grads, leaves
 
 fwd_varlen = torch.ops.flashattn.fwd_varlen
 bwd_varlen = torch.ops.flashattn.bwd_varlen
@@ -203,14 +203,116 @@ def test_bad_arguments(args, message):
         fwd_varlen(*args)
 
 
+# ---- CUDA: one launch over every sequence ---------------------------------------------------------------------------
+
+
+def per_sequence(t, rows):
+    """Rows of one sequence of a packed (total, H, D) tensor as a contiguous dense (1, H, L, D) one."""
+    return dense(t[rows]).contiguous()
+
+
 @pytest.mark.cuda
-def test_cuda_says_not_yet():
-    q, k, v, cu_q, cu_k = packed_inputs([(3, 3)], 2, 2, 64, torch.bfloat16, "cuda")
-    with pytest.raises(RuntimeError, match="packed sequences run on CPU only"):
-        fwd_varlen(q, k, v, cu_q, cu_k)
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_forward_against_reference(dtype, head_dim, mods):
+    q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, head_dim, dtype, "cuda", "strided")
+    kwargs = mods_for(mods, 4, "cuda")
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(), per_sequence(q, rows_q),
+                               per_sequence(k, rows_k), per_sequence(v, rows_k), **kwargs)
 
 
-@pytest.mark.dtypes(cpu=[torch.bfloat16], cuda=[])
+@pytest.mark.cuda
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_grads_against_reference(head_dim, mods):
+    q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, head_dim, torch.bfloat16, "cuda", "strided")
+    kwargs = mods_for(mods, 4, "cuda")
+    q, k, v = leaves(q, k, v)
+    inputs = (q, k, v)
+    sinks = kwargs.get("sinks")
+    if sinks is not None:
+        sinks = kwargs["sinks"] = sinks.requires_grad_()
+        inputs += (sinks,)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    dsinks = torch.zeros(4, device="cuda")
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.stop == rows_q.start:  # no query: its keys' gradients are 0
+            assert (grads[1][rows_k] == 0).all() and (grads[2][rows_k] == 0).all()
+            continue
+        seq = tuple(per_sequence(t, r) for t, r in ((q, rows_q), (k, rows_k), (v, rows_k)))
+        seq_grads = tuple(per_sequence(g, r) for g, r in ((grads[0], rows_q), (grads[1], rows_k), (grads[2], rows_k)))
+        seq_dout, seq_dlse = per_sequence(dout, rows_q), dlse[None, :, rows_q].contiguous()
+        seq = tuple(t.detach() for t in seq)
+        mods = dict(kwargs, sinks=None if sinks is None else sinks.detach())
+        assert_grads_close(seq_grads, *seq, seq_dout, seq_dlse, **mods, with_dsinks=False)
+        if sinks is not None:  # the sequence's share of dsinks, from the fp64 reference
+            up = (t.double() for t in seq + (seq_dout, seq_dlse))
+            dsinks += attention_grads(*up, **dict(mods, sinks=sinks.detach().double()))[3].float()
+    if sinks is not None:
+        torch.testing.assert_close(grads[3], dsinks, rtol=2e-2, atol=2e-2 * max(1.0, dsinks.abs().max().item()))
+
+
+@pytest.mark.cuda
+def test_cuda_batch_invariance():
+    # A sequence's forward bits do not depend on what else is packed with it.
+    q, k, v, cu_q, cu_k = packed_inputs([(200, 300)], 4, 2, 128, torch.bfloat16, "cuda")
+    alone = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=True)
+    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(130, 70), (200, 300), (5, 900)], 4, 2, 128, torch.bfloat16, "cuda")
+    q2[130:330], k2[70:370], v2[70:370] = q, k, v
+    together = flashattn_ext.flash_attn_varlen_with_lse(q2, k2, v2, cu_q2, cu_k2, causal=True)
+    assert torch.equal(together[0][130:330], alone[0])
+    assert torch.equal(together[1][:, 130:330], alone[1])
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_new_lengths():
+    # Lengths live on the device only: a graph captured once replays correctly after cu_seqlens change in place.
+    q, k, v, cu_q, cu_k = packed_inputs([(100, 100), (60, 60), (96, 96)], 4, 4, 64, torch.bfloat16, "cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([30, 200, 26], [256, 0, 0], [1, 1, 254]):
+        cu_q.copy_(cu_seqlens(lengths, "cuda"))
+        cu_k.copy_(cu_q)
+        graph.replay()
+        torch.testing.assert_close(out, flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_cu_seqlens_never_fault():
+    # Values that break the rules cannot be checked without a synchronisation: they give wrong rows, never a fault.
+    q, k, v, _, _ = packed_inputs([(7, 7)], 2, 2, 64, torch.bfloat16, "cuda")
+    for bad in ([0, 1000, 7], [0, -5, 7], [0, 3, 2], [5, 2, 1]):
+        cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
+        out = flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=True)
+        torch.cuda.synchronize()
+        assert out.shape == q.shape
+
+
+@pytest.mark.cuda
+def test_cuda_backward_refuses_what_it_lacks():
+    q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 192, torch.bfloat16, "cuda")
+    out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
+    with pytest.raises(RuntimeError, match="head dims up to 128"):
+        bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k)
+    q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
+    out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
+    with pytest.raises(RuntimeError, match="no deterministic mode"):
+        bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, deterministic=True)
+
+
+@pytest.mark.dtypes(cpu=[torch.bfloat16], cuda=[torch.bfloat16])
 def test_autocast(device, dtype):
     # fp32 q and k (after a QK-norm autocast ran in fp32) with a bf16 v run in bf16, as the dense op does.
     q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 16, torch.float32, device)

@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "cuda/packed.h"
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile_io.h"
@@ -62,14 +63,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   float* const s_lse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // lse * log2 e; +inf: P = 0
   float* const s_delta = s_lse + kBlockM;
 
-  const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
-  const int n_block = blockIdx.x % num_n_blocks;
-  const int kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
-  const int batch = blockIdx.x / num_n_blocks / p.heads_kv;
+  // Key blocks fastest, then kv heads, then batches; packed sequences: the slots of every sequence (packed.h), then
+  // kv heads, the sequence's rows starting at row_q / row_k.
+  int n_block, kv_head, batch, len_q = p.len_q, len_k = p.len_k, row_q = 0, row_k = 0;
+  if (p.cu_seqlens_q == nullptr) {
+    const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
+    n_block = blockIdx.x % num_n_blocks;
+    kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
+    batch = blockIdx.x / num_n_blocks / p.heads_kv;
+  } else {
+    const int num_slots = packed_slots(p.len_k, p.batch, kBlockN);
+    kv_head = blockIdx.x / num_slots;
+    const PackedBlock b = find_packed_block(p.cu_seqlens_k, p.len_k, p.cu_seqlens_q, p.len_q, p.batch, kBlockN,
+                                            blockIdx.x % num_slots);
+    if (b.block * kBlockN >= b.len) return;  // an idle slot
+    batch = 0, n_block = b.block, len_k = b.len, len_q = b.other_len, row_k = b.row, row_q = b.other_row;
+  }
   const int n_start = n_block * kBlockN;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int causal_shift = p.len_k - p.len_q;  // query i sees keys j <= i + causal_shift
+  const int causal_shift = len_k - len_q;  // query i sees keys j <= i + causal_shift
 
   const int left = kOptions ? p.window_left : -1;
   const int right = kCausal ? 0 : kOptions ? p.window_right : -1;
@@ -78,13 +91,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   // first query i with i + causal_shift + right >= n_start, under its left edge those up to the last query i with
   // i + causal_shift - left <= n_start + kBlockN - 1.
   const int m_block_first = right < 0 ? 0 : max(0, n_start - causal_shift - right) / kBlockM;
-  const int m_row_end = left < 0 ? p.len_q : max(0, min(p.len_q, n_start + kBlockN - causal_shift + left));
+  const int m_row_end = left < 0 ? len_q : max(0, min(len_q, n_start + kBlockN - causal_shift + left));
   const int num_m_blocks = (m_row_end + kBlockM - 1) / kBlockM;
 
-  const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-  load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, n_start, p.len_k, p.head_dim);
-  load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, n_start, p.len_k, p.head_dim);
+  const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                    static_cast<int64_t>(row_k) * p.k_row_stride;
+  const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                    static_cast<int64_t>(row_k) * p.v_row_stride;
+  load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, n_start, len_k, p.head_dim);
+  load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, n_start, len_k, p.head_dim);
   cp_async_commit();
 
   float acc_dk[kDTiles][4];
@@ -107,9 +122,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 
   for (int group_index = 0; group_index < p.heads_per_kv; ++group_index) {
     const int head = kv_head * p.heads_per_kv + group_index;
-    const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-    const T* do_base = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
-    const int64_t row_offset = (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
+    const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+                      static_cast<int64_t>(row_q) * p.q_row_stride;
+    const T* do_base = static_cast<const T*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
+                       static_cast<int64_t>(row_q) * p.do_row_stride;
+    const int64_t row_offset = (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + row_q;
     const float* lse = p.lse + row_offset;
     const float* delta = p.delta + row_offset;
     float* dq_accum = p.dq_accum + row_offset * p.head_dim;
@@ -117,12 +134,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
     for (int m_block = m_block_first; m_block < num_m_blocks; ++m_block) {
       const int m_start = m_block * kBlockM;
       __syncthreads();  // every warp is done with the previous block's sQ, sdO, sdS, s_lse, s_delta
-      load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, p.len_q, p.head_dim);
-      load_tile_async<T, Traits, kBlockM>(sdO, do_base, p.do_row_stride, m_start, p.len_q, p.head_dim);
+      load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q, p.head_dim);
+      load_tile_async<T, Traits, kBlockM>(sdO, do_base, p.do_row_stride, m_start, len_q, p.head_dim);
       cp_async_commit();
       if (threadIdx.x < kBlockM) {
         const int row = m_start + threadIdx.x;
-        const float row_lse = row < p.len_q ? lse[row] : -INFINITY;
+        const float row_lse = row < len_q ? lse[row] : -INFINITY;
         // A row past the end or without any visible key contributes nothing: exp2(x - inf) = 0, and its delta is
         // zeroed so that a non-finite dlse there cannot turn 0 * inf into NaN.
         const bool contributes = row_lse != -INFINITY;
@@ -159,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 
       // P^T and dS^T, packed to T in the A-fragment layout. Element (qt, i): key key_row0 + lane/4 + 8 (i/2),
       // query qt * 8 + 2 (lane % 4) + i % 2.
-      const bool needs_mask = n_start + kBlockN > p.len_k ||
+      const bool needs_mask = n_start + kBlockN > len_k ||
                               (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                               (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
       const bool softcap = kOptions && p.softcap > 0.f;
@@ -181,7 +198,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             if (needs_mask) {
               const int key = n_start + key_row0 + lane / 4 + 8 * half;
               const int diagonal = m_start + query + causal_shift;
-              if (key >= p.len_k || (right >= 0 && key > diagonal + right) ||
+              if (key >= len_k || (right >= 0 && key > diagonal + right) ||
                   (kOptions && left >= 0 && key < diagonal - left)) {
                 prob = 0.f;
               }
@@ -240,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = m_start + query_row0 + lane / 4 + 8 * half;
-        if (row < p.len_q) {
+        if (row < len_q) {
           float* dq_row = dq_accum + static_cast<int64_t>(row) * p.head_dim;
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
@@ -257,13 +274,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   cp_async_wait<0>();  // no query block at all: K/V copies may still be in flight
 
   // dK = scale * dS^T Q; dV = P^T dO. This CTA is the only writer of its keys' rows.
-  T* dk_base = static_cast<T*>(p.dk) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
-  T* dv_base = static_cast<T*>(p.dv) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
+  // Dense: (B, Hk, Lk, D); packed: (total_k, Hk, D).
+  const bool packed = p.cu_seqlens_q != nullptr;
+  const int64_t dkv_row_stride = packed ? static_cast<int64_t>(p.heads_kv) * p.head_dim : p.head_dim;
+  const int64_t dkv_offset = packed ? (static_cast<int64_t>(row_k) * p.heads_kv + kv_head) * p.head_dim
+                                    : (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
+  T* dk_base = static_cast<T*>(p.dk) + dkv_offset;
+  T* dv_base = static_cast<T*>(p.dv) + dkv_offset;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = n_start + key_row0 + lane / 4 + 8 * half;
-    if (key < p.len_k) {
-      const int64_t row = static_cast<int64_t>(key) * p.head_dim;
+    if (key < len_k) {
+      const int64_t row = static_cast<int64_t>(key) * dkv_row_stride;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + 2 * (lane % 4);
@@ -288,7 +310,11 @@ cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * params.batch));
+  const int64_t blocks = params.cu_seqlens_q == nullptr
+                             ? num_n_blocks * params.heads_kv * params.batch
+                             : static_cast<int64_t>(packed_slots(params.len_k, params.batch, Traits::kBlockN)) *
+                                   params.heads_kv;
+  const dim3 grid(static_cast<unsigned>(blocks));
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
