@@ -61,9 +61,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--no-single", dest="single", action="store_false",
                         help="skip rank 0's one-device run of the whole sequence")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: CUDA (NCCL) where every local rank has a GPU of its own, else CPU (gloo)")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= local_world)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -2,11 +2,13 @@
 Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
 
 Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256] [--deterministic]
-[--options]
+[--options] [--varlen]
 
 --head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
 for a change to one of them: racecheck over every case takes about 150 s of device time on the H200. --options runs
-each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn.
+each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn. --varlen runs
+packed sequences instead (VARLEN_CASES, each plain and with every option set), and cu_seqlens whose values break
+the rules (they must give wrong rows, never an access outside the tensors).
 """
 import argparse
 import os
@@ -60,6 +62,43 @@ OPTION_SETS = [
 ]
 
 
+# Packed sequences for --varlen: (Lq_b, Lk_b) per sequence, heads, kv heads, head dim. Empty sequences, Lq != Lk both
+# ways, one sequence longer than a block, and a batch with no keys at all.
+VARLEN_CASES = [
+    ([(1, 1), (7, 9), (0, 5), (130, 40), (4, 0), (300, 300)], 4, 2, 64),
+    ([(65, 130), (129, 129), (1, 600)], 4, 1, 128),
+    ([(200, 200), (0, 0), (33, 17)], 2, 2, 256),  # forward only: the CUDA packed backward takes D <= 128
+    ([(5, 0), (70, 0)], 2, 2, 128),
+]
+BAD_CU_SEQLENS = [[0, 1000, 7], [0, -5, 7], [0, 3, 2], [5, 2, 1]]  # for 7 packed rows
+
+
+def run_varlen():
+    calls = 0
+    for pairs, heads, heads_kv, head_dim in VARLEN_CASES:
+        for mods in [{}] + OPTION_SETS:
+            mods = dict(mods)
+            if mods.get("sinks") is not None:
+                mods["sinks"] = torch.linspace(-1, 1, heads, device="cuda").requires_grad_()
+            cu = [torch.tensor([0] + torch.tensor([p[i] for p in pairs]).cumsum(0).tolist(), dtype=torch.int32,
+                               device="cuda") for i in (0, 1)]
+            grad = head_dim <= 128
+            q = torch.randn(int(cu[0][-1]), heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+            k, v = (torch.randn(int(cu[1][-1]), heads_kv, head_dim, device="cuda", dtype=torch.bfloat16,
+                                requires_grad=grad) for _ in range(2))
+            out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu[0], cu[1], causal=True, **mods)
+            calls += 1
+            if grad:
+                (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
+                calls += 1
+    q = k = v = torch.randn(7, 2, 64, device="cuda", dtype=torch.bfloat16)
+    for bad in BAD_CU_SEQLENS:
+        cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
+        flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=True)
+        calls += 1
+    return calls
+
+
 def bucket(head_dim):
     """The head dim of the Hopper kernels that run head_dim (kernel_table.h, sm90_kernel_head_dim: the smallest of 64,
     128 and 256 that holds it)."""
@@ -78,7 +117,13 @@ def main():
     parser.add_argument("--options", action="store_true", help="each case with windows, softcap or sinks")
     parser.add_argument("--deterministic", action="store_true",
                         help="under torch.use_deterministic_algorithms(True): the Hopper backward's ordered dQ")
+    parser.add_argument("--varlen", action="store_true", help="packed sequences, and cu_seqlens that break the rules")
     args = parser.parse_args()
+    if args.varlen:
+        calls = run_varlen()
+        torch.cuda.synchronize()
+        print(f"sanitize: {calls} packed forward/backward calls done")
+        return
     if args.deterministic:  # the chunked backward (D256) then runs cuBLAS, which needs a fixed workspace for it
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(args.deterministic)

@@ -99,7 +99,7 @@ def test_bench_ring_runs_under_torchrun(tmp_path):
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ring.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "--length", "64",
-           "--heads", "2", "--dim", "16", "--iters", "1"]
+           "--heads", "2", "--dim", "16", "--iters", "1", "--device", "cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

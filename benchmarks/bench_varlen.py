@@ -1,0 +1,158 @@
+"""Packed variable-length sequences: flashattn_ext.flash_attn_varlen against torch's varlen_attn on the same packed
+batch, with our dense op called once per sequence and on a dense batch at the mean length for scale.
+
+Usage (from the repository root, on a GPU):
+    python benchmarks/bench_varlen.py                              # 16k tokens, lengths 100-4000, H16 D128, causal
+    python benchmarks/bench_varlen.py --mode fwdbwd --head-dim 64 --heads 32 --causal off
+
+The lengths are drawn uniformly from [--min-len, --max-len] with a fixed seed until --tokens are packed (the last one
+cut to fit). Implementations, timed side by side in --rounds interleaved rounds (bench_sdpa.py's method: triton's
+do_bench median per round, the median of the rounds kept):
+  ours        flash_attn_varlen, one call
+  varlen_attn torch.nn.attention.varlen.varlen_attn (PyTorch's flash kernel for packed sequences)
+  loop        our dense op once per sequence (what a user without varlen writes)
+  dense       our dense op on B = tokens // mean length sequences of the mean length (the work without the packing)
+FLOPs are 4 * H * D * sum(Lq_b * Lk_b) per forward, halved for causal; fwdbwd counts 3.5x that. A CSV row per
+implementation goes to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sdpa import import_flashattn_ext, make_timer, round_order  # noqa: E402
+
+IMPLS = ["ours", "varlen_attn", "loop", "dense"]
+
+
+def draw_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(low, high), tokens - sum(lengths)))
+    return lengths
+
+
+def make_callable(impl, fa, q, k, v, cu, lengths, causal, mode):
+    heads, head_dim = q.shape[1], q.shape[2]
+    if impl == "ours":
+        def forward():
+            return fa.flash_attn_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    elif impl == "varlen_attn":
+        from torch.nn.attention.varlen import varlen_attn
+
+        window = (-1, 0) if causal else (-1, -1)
+
+        def forward():
+            return varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window)
+    elif impl == "loop":
+        bounds = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+
+        def forward():
+            outs = [fa.flash_attn(*(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)), causal=causal)
+                    for a, b in zip(bounds[:-1], bounds[1:])]
+            return torch.cat([o[0].transpose(0, 1) for o in outs])
+    else:  # dense at the mean length
+        mean = max(1, round(sum(lengths) / len(lengths)))
+        batch = max(1, sum(lengths) // mean)
+        qd, kd, vd = (torch.randn(batch, heads if t is q else k.shape[1], mean, head_dim, dtype=q.dtype,
+                                  device=q.device, requires_grad=q.requires_grad) for t in (q, k, v))
+
+        def forward():
+            return fa.flash_attn(qd, kd, vd, causal=causal)
+    if mode == "fwd":
+        return forward
+    grad = None
+
+    def forward_backward():
+        nonlocal grad
+        out = forward()
+        grad = torch.ones_like(out) if grad is None or grad.shape != out.shape else grad
+        out.backward(grad)
+    return forward_backward
+
+
+def flops(lengths, heads, head_dim, causal, mode, impl):
+    if impl == "dense":
+        mean = max(1, round(sum(lengths) / len(lengths)))
+        pairs = (sum(lengths) // mean) * mean * mean
+    else:
+        pairs = sum(n * n for n in lengths)
+    total = 4 * heads * head_dim * pairs * (0.5 if causal else 1.0)
+    return total * (3.5 if mode == "fwdbwd" else 1.0)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=4000)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--heads-kv", type=int, help="kv heads (default: --heads)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--causal", choices=["on", "off"], default="on")
+    parser.add_argument("--mode", choices=["fwd", "fwdbwd"], default="fwd")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    args = parser.parse_args(argv)
+
+    import_flashattn_ext()  # the installed package, else the in-place build
+    import flashattn_ext as fa
+    causal = args.causal == "on"
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
+    total, heads_kv = sum(lengths), args.heads_kv or args.heads
+    grad = args.mode == "fwdbwd"
+    q = torch.randn(total, args.heads, args.head_dim, dtype=dtype, device="cuda", requires_grad=grad)
+    k, v = (torch.randn(total, heads_kv, args.head_dim, dtype=dtype, device="cuda", requires_grad=grad)
+            for _ in range(2))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    timer, _ = make_timer("cuda")
+    impls = args.impls.split(",")
+    fns, errors = {}, {}
+    for impl in impls:
+        try:
+            fns[impl] = make_callable(impl, fa, q, k, v, cu, lengths, causal, args.mode)
+            fns[impl]()
+        except Exception as exc:  # an implementation that refuses the configuration shows '-'
+            errors[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    times = {impl: [] for impl in fns}
+    for round_index in range(args.rounds):
+        for impl in round_order([i for i in impls if i in fns], round_index):
+            times[impl].append(timer(fns[impl]))
+
+    print(f"{len(lengths)} sequences, {total} tokens (lengths {min(lengths)}-{max(lengths)}, mean "
+          f"{total / len(lengths):.0f}), H{args.heads}/{heads_kv} D{args.head_dim} {args.dtype} "
+          f"causal {args.causal}, {args.mode}")
+    rows = []
+    for impl in impls:
+        if impl not in times:
+            print(f"  {impl:12s} -  ({errors[impl]})")
+            continue
+        ms = statistics.median(times[impl])
+        tflops = flops(lengths, args.heads, args.head_dim, causal, args.mode, impl) / ms / 1e9
+        rows.append(dict(impl=impl, ms=round(ms, 4), tflops=round(tflops, 1)))
+        print(f"  {impl:12s} {ms:8.3f} ms  {tflops:6.1f} TFLOP/s")
+    if "ours" in times and "varlen_attn" in times:
+        ratio = statistics.median(times["varlen_attn"]) / statistics.median(times["ours"])
+        print(f"  ours / varlen_attn: {ratio:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench_varlen_{args.mode}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["impl", "ms", "tflops"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
