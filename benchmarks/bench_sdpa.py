@@ -28,6 +28,9 @@ training step's attention). fwdbwd also times the backward alone (2.5x the forwa
 one forward) and reports it in the *_bwd_* columns. --deterministic runs everything under
 torch.use_deterministic_algorithms(True) (an SDPA backend without a deterministic backward then shows '-').
 
+--flash-provider NAME activates an SDPA flash provider (such as flashattn_ext itself) for the whole run, so that the
+`flash` column times SDPA's flash backend through it.
+
 Score modifications: --window L,R, --softcap C and --sinks run our op with them, and compare it with FlexAttention
 (`flex`: torch.compile'd flex_attention with the same block mask and score_mod; sinks through its lse) and with our own
 op without them (`dense`: the plain causal or full attention of the same shape). FLOPs then count the band's visible
@@ -624,7 +627,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         git_commit=git_commit(),
         dtypes=args.dtypes, mode=args.mode, deterministic=args.deterministic, timer=timer_name, rounds=args.rounds,
         naive_mem_gib=args.naive_mem_gib, score_mods=MODS.label,
-        tokens=args.tokens, hidden=args.hidden,
+        tokens=args.tokens, hidden=args.hidden, flash_provider=args.flash_provider,
     )
 
 
@@ -843,6 +846,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window", help="L,R: a sliding window (-1: unbounded on that side)")
     parser.add_argument("--softcap", type=float, default=0.0, help="cap the scores: C * tanh(score / C)")
     parser.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
+    parser.add_argument("--flash-provider", metavar="NAME",
+                        help="activate this SDPA flash provider for the run (torch.nn.attention."
+                             "activate_flash_attention_impl, e.g. flashattn_ext): the flash column then times it")
     parser.add_argument("--deterministic", action="store_true",
                         help="run under torch.use_deterministic_algorithms(True); the files' names end in "
                              "_deterministic")
@@ -896,6 +902,8 @@ def main(argv=None) -> None:
     MODS = args.mods
     backends = name_list(args.backends, [*SDPA_BACKENDS, *PEERS], "--backends")
     import_flashattn_ext()
+    if args.flash_provider:
+        torch.nn.attention.activate_flash_attention_impl(args.flash_provider)
     impls = ["ours", *backends] + ([] if MODS.active else ["naive"])
     causals = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     configs = build_grid(dtypes, int_list(args.head_dims), int_list(args.lengths), causals, args.tokens,

@@ -16,6 +16,11 @@ from .ops import (  # noqa: E402
     flash_attn_with_lse,
 )
 
+from .integrations import sdpa as _sdpa  # noqa: E402
+
+# Registers (never activates) the SDPA flash provider: torch.nn.attention.activate_flash_attention_impl("flashattn_ext").
+_sdpa.register()
+
 __all__ = [
     "flash_attn", "flash_attn_with_lse", "flash_attn_varlen", "flash_attn_varlen_with_lse", "flash_attn_with_kvcache",
     "__version__",

@@ -12,9 +12,9 @@ drift of the card shows up as a spread between passes rather than as a differenc
 prints, per shape, each build's median launch time (ns) per pass and the change of every later build against the first
 (+ is faster), marked "apart" where every pass of one build is faster than every pass of the other (else "overlap");
 more than two builds (--build given three times or more) are A/B'd against the first in one session. With --backward
-each call is a forward and a backward, and the Hopper backward kernel is timed. Shapes are D:nc|c:L at B*L = --tokens
-and H*D = --hidden, as in bench_sdpa.py; a warm-up launch, then --launches timed ones. Needs ncu (CUDA toolkit) on PATH
-or at /usr/local/cuda/bin/ncu.
+each call is a forward and a backward, and the backward kernel is timed (the Hopper one; the sm80 one under
+FLASHATTN_BWD_SM90=0). Shapes are D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch,
+then --launches timed ones. Needs ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
 """
 import argparse
 import csv
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 KERNEL_REGEX = "regex:flash_fwd_sm90|flash_fwd_kernel"  # the Hopper and the sm80 forward
-BACKWARD_KERNEL_REGEX = "regex:flash_bwd_sm90|flash_bwd_split_sm90"  # the Hopper backward: one launch per call
+BACKWARD_KERNEL_REGEX = "regex:flash_bwd_sm90|flash_bwd_split_sm90|flash_bwd_kernel"  # the Hopper or sm80 backward
 
 
 def parse_shapes(text):

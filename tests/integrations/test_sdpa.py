@@ -1,0 +1,256 @@
+"""flashattn_ext as PyTorch's SDPA flash provider: registered on import, never active until asked; once active, SDPA's
+flash backend and varlen_attn run our kernels (bitwise our op's results), fall back to PyTorch's kernel for what ours
+lack, work under torch.compile and CUDA graphs, and train real models as PyTorch's kernel does."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashattn_ext
+from flashattn_ext.integrations import sdpa
+from reference import assert_grads_close, leaves, make_qkv
+
+attention = pytest.importorskip("torch.nn.attention")
+if not hasattr(attention, "activate_flash_attention_impl"):
+    pytest.skip("this torch has no flash-provider hook", allow_module_level=True)
+
+
+@contextlib.contextmanager
+def activated():
+    attention.activate_flash_attention_impl(sdpa.NAME)
+    try:
+        yield
+    finally:
+        attention.restore_flash_attention_impl()
+
+
+def flash_sdpa(q, k, v, **kwargs):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def ours_ran(op="_scaled_dot_product_flash_attention"):
+    return sdpa.calls[(op, sdpa.NAME)]
+
+
+def test_registered_not_active():
+    assert sdpa.NAME in attention.list_flash_attention_impls()
+    assert attention.current_flash_attention_impl() != sdpa.NAME
+
+
+def test_activation_is_harmless_on_cpu():
+    q, k, v = make_qkv(1, 2, 2, 9, 9, 16, torch.float32, "cpu")
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with activated():
+        assert attention.current_flash_attention_impl() == sdpa.NAME
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True), want)
+    assert attention.current_flash_attention_impl() is None
+
+
+# ---- CUDA -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["contiguous", "seq_major"])
+@pytest.mark.parametrize("heads_kv", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sdpa_is_our_kernel(head_dim, causal, heads_kv, layout):
+    q, k, v = make_qkv(2, 8, heads_kv, 300, 300, head_dim, torch.bfloat16, "cuda", layout=layout)
+    want = flashattn_ext.flash_attn(q, k, v, causal=causal)
+    with activated():
+        got = flash_sdpa(q, k, v, is_causal=causal, enable_gqa=heads_kv != 8)
+        assert ours_ran() == 1
+    assert got.stride() == q.stride()  # the layout aten's meta function promises
+    assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_grads(causal):
+    q, k, v = leaves(*make_qkv(2, 4, 4, 257, 257, 128, torch.bfloat16, "cuda", layout="seq_major"))
+    with activated():
+        out = flash_sdpa(q, k, v, is_causal=causal)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert ours_ran("_scaled_dot_product_flash_attention_backward") == 1
+    for grad, like in zip(grads, (q, k, v)):
+        assert grad.stride() == like.stride()
+    assert_grads_close(tuple(g.contiguous() for g in grads), q.detach(), k.detach(), v.detach(), dout, None, causal)
+
+
+@pytest.mark.cuda
+def test_sdpa_lengths_differ():
+    q, k, v = make_qkv(1, 4, 4, 100, 260, 64, torch.float16, "cuda")
+    with activated():
+        got = flash_sdpa(q, k, v)
+    assert torch.equal(got, flashattn_ext.flash_attn(q, k, v))
+    # Causal with Lq != Lk: whatever PyTorch's flash backend does (refuse, or align bottom-right), so do we.
+    try:
+        want = flash_sdpa(q, k, v, is_causal=True)
+    except RuntimeError:
+        want = None
+    with activated():
+        if want is None:
+            with pytest.raises(RuntimeError):
+                flash_sdpa(q, k, v, is_causal=True)
+        else:
+            torch.testing.assert_close(flash_sdpa(q, k, v, is_causal=True), want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [(-1, 0), (63, 0), (-1, -1)], ids=["causal", "w63", "full"])
+def test_varlen_attn(window):
+    from torch.nn.attention.varlen import varlen_attn
+
+    lengths = [1, 130, 7, 300, 64]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+    q, k, v = leaves(*(torch.randn(total, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3)))
+    causal = window[1] == 0
+    ours = flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=causal, window_size=window)
+    dout = torch.randn_like(ours)
+    want_grads = torch.autograd.grad(ours, (q, k, v), dout)
+    with activated():
+        got = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window)
+        grads = torch.autograd.grad(got, (q, k, v), dout)
+        assert ours_ran("_flash_attention_forward") == 1 and ours_ran("_flash_attention_backward") == 1
+    assert torch.equal(got, ours)
+    for grad, want in zip(grads, want_grads):  # dQ is added up in a varying order
+        torch.testing.assert_close(grad, want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.cuda
+def test_unsupported_falls_back():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "cuda")
+    with activated():
+        out = flash_sdpa(q, k, v, dropout_p=0.5)
+        assert sdpa.calls[("_scaled_dot_product_flash_attention", "fallback")] == 1 and ours_ran() == 0
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    # A packed backward under deterministic algorithms: PyTorch's kernel.
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32, device="cuda")
+    q, k, v = leaves(*(torch.randn(64, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3)))
+    with activated():
+        out = varlen_attn(q, k, v, cu, cu, 34, 34, window_size=(-1, 0))
+        torch.use_deterministic_algorithms(True)
+        try:
+            out.sum().backward()
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert sdpa.calls[("_flash_attention_backward", "fallback")] == 1
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.cuda
+def test_restore():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "cuda")
+    with activated():
+        flash_sdpa(q, k, v)
+    sdpa.calls.clear()
+    flash_sdpa(q, k, v)
+    assert not sdpa.calls
+
+
+@pytest.mark.cuda
+def test_compile_and_graphs():
+    q, k, v = make_qkv(2, 4, 4, 200, 200, 64, torch.bfloat16, "cuda")
+    want = flashattn_ext.flash_attn(q, k, v, causal=True)
+
+    def f(q, k, v):
+        return flash_sdpa(q, k, v, is_causal=True) * 2
+
+    with activated():
+        compiled = torch.compile(f, fullgraph=True)
+        assert torch.equal(compiled(q, k, v), want * 2)
+        assert ours_ran() >= 1
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            f(q, k, v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                out = f(q, k, v)
+        torch.cuda.current_stream().wait_stream(stream)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+    assert torch.equal(out, flashattn_ext.flash_attn(q, k, v, causal=True) * 2)
+
+
+# ---- models: a few training steps with and without activation ---------------------------------------------------
+
+
+def train_losses(model, batches, steps=3):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        loss = model(batches[step])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def compare_training(make_model, make_batches, op):
+    torch.manual_seed(0)
+    base = make_model()
+    state = {name: t.clone() for name, t in base.state_dict().items()}
+    batches = make_batches()
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = train_losses(base, batches)
+        model = make_model()
+        model.load_state_dict(state)
+        with activated():
+            got = train_losses(model, batches)
+            assert ours_ran(op) > 0 and ours_ran(op + "_backward") > 0
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_timm_vit_trains():
+    timm = pytest.importorskip("timm")
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=64)
+
+        def forward(self, batch):
+            images, labels = batch
+            return F.cross_entropy(self.net(images), labels)
+
+    def make_model():
+        return Classifier().cuda().to(torch.bfloat16)
+
+    def make_batches():
+        return [(torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16),
+                 torch.randint(0, 10, (4,), device="cuda")) for _ in range(3)]
+
+    compare_training(make_model, make_batches, "_scaled_dot_product_flash_attention")
+
+
+@pytest.mark.cuda
+def test_llama_sdpa_trains():
+    transformers = pytest.importorskip("transformers")
+
+    class CausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=512, attn_implementation="sdpa")
+            self.net = transformers.LlamaForCausalLM(config)
+
+        def forward(self, ids):
+            return self.net(input_ids=ids, labels=ids).loss
+
+    def make_model():
+        return CausalLM().cuda().to(torch.bfloat16)
+
+    def make_batches():
+        return [torch.randint(0, 128, (2, 200), device="cuda") for _ in range(3)]
+
+    compare_training(make_model, make_batches, "_scaled_dot_product_flash_attention")
