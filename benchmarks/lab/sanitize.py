@@ -119,14 +119,14 @@ def main():
                         help="under torch.use_deterministic_algorithms(True): the Hopper backward's ordered dQ")
     parser.add_argument("--varlen", action="store_true", help="packed sequences, and cu_seqlens that break the rules")
     args = parser.parse_args()
+    if args.deterministic:  # the chunked backward (D256) then runs cuBLAS, which needs a fixed workspace for it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(args.deterministic)
     if args.varlen:
         calls = run_varlen()
         torch.cuda.synchronize()
         print(f"sanitize: {calls} packed forward/backward calls done")
         return
-    if args.deterministic:  # the chunked backward (D256) then runs cuBLAS, which needs a fixed workspace for it
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(args.deterministic)
     head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
     if head_dims is not None and not head_dims <= {64, 128, 256}:
         raise SystemExit(f"--head-dims: buckets are 64, 128 and 256, not {args.head_dims}")

@@ -332,10 +332,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   const bool causal = options ? mods.right >= 0 : mods.causal();
   const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
                           (!options || sm90_kernel_head_dim(bucket) <= 128);
-  // The fused kernels add dQ up across CTAs in an order that varies, except the Hopper kernel up to D128 with its dQ
-  // semaphores: deterministic=True takes that or the chunked backward.
-  const bool ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128 && !options;
-  if ((deterministic && !ordered_dq) || (!wants_sm90 && bucket > kMaxFusedBwdSm80Bucket)) {
+  // The fused kernels add dQ up across CTAs in an order that varies, except with dQ semaphores: the Hopper kernel's up
+  // to D128 without options, and the sm80 options variant's (any band) up to its largest bucket. deterministic=True
+  // takes one of those, else the chunked backward.
+  const bool sm90_ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128 && !options;
+  const bool fused_sm80 = bucket <= kMaxFusedBwdSm80Bucket;
+  if (!wants_sm90 && !fused_sm80) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
+  if (deterministic && !sm90_ordered_dq && !fused_sm80) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
   const at::Tensor dout_rows = with_aligned_rows(dout);
@@ -346,10 +349,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90_maps,
               "flashattn.bwd: FLASHATTN_BWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k, v or dout)");
-  const BwdPath path = sm90_maps                                       ? BwdPath::kSm90
-                       : !deterministic && bucket <= kMaxFusedBwdSm80Bucket ? BwdPath::kSm80
-                                                                            : BwdPath::kChunked;
+  const BwdPath path = sm90_maps && (!deterministic || sm90_ordered_dq) ? BwdPath::kSm90
+                       : fused_sm80                                        ? BwdPath::kSm80
+                                                                           : BwdPath::kChunked;
   if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
+  // Deterministic on the sm80 kernel: its options variant (the band carries causal) with ordered dQ.
+  const bool sm80_ordered_dq = path == BwdPath::kSm80 && deterministic;
 
   const at::Tensor out_rows = with_aligned_rows(out);
   const at::Tensor lse_rows = lse.contiguous();
@@ -357,11 +362,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::zeros({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
-  // Deterministic: a count of the key blocks added so far per dQ tile (two per query block; bwd_kernel.h).
+  // Deterministic: a count of the key blocks added so far per dQ tile (Hopper: two per query block; sm80: one).
   at::Tensor dq_semaphore;
   if (deterministic) {
-    const int64_t block_m = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket)).block_m;
-    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, 2}, q.options().dtype(at::kInt));
+    const bool sm90 = path == BwdPath::kSm90;
+    const int64_t block_m = sm90 ? sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket)).block_m : sm80::kBwdBlockM;
+    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? 2 : 1},
+                             q.options().dtype(at::kInt));
   }
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
@@ -389,7 +396,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
-  err = launch_bwd(params, is_bf16, bucket, causal, options, path, stream);
+  err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal, options || sm80_ordered_dq,
+                   path, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {dq_accum.to(q.scalar_type()), dk, dv};
 }
@@ -413,8 +421,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
 // ==== Packed sequences =============================================================================================
 //
-// One launch of the sm80 kernels over every sequence: the kernels find each CTA's sequence in cu_seqlens on the device
-// (packed.h), so nothing is read back to the host and a captured graph replays with new lengths.
+// One launch of the sm80 options variants over every sequence (the plain kernels stay free of it): the kernels find
+// each CTA's sequence in cu_seqlens on the device (packed.h), so nothing is read back to the host and a captured graph
+// replays with new lengths. Causal is the band's right edge there.
 
 // CUDA-only rules of a packed call: those of the dense op for the tensors, and 32-bit slot counts.
 void check_cuda_varlen_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -471,9 +480,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   p.v_batch_stride = sv.batch, p.v_head_stride = sv.head, p.v_row_stride = sv.row;
   p.o_batch_stride = so.batch, p.o_head_stride = so.head, p.o_row_stride = so.row;
   set_packed_shape(p, vs, softmax_scale, cu_q, cu_k);
-  p.causal = mods.plain() ? mods.causal() : mods.right >= 0;
+  p.causal = mods.right >= 0;
   set_score_mods(p, mods);
-  p.options = !mods.plain();
+  p.options = true;
   const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
   p.plan.kernel = FwdKernel::kSm80;
@@ -500,8 +509,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   TORCH_CHECK(head_dim_bucket_built(bucket) && bucket <= kMaxFusedBwdSm80Bucket, op,
               ": on CUDA the packed backward takes head dims up to ", kMaxFusedBwdSm80Bucket, " in this version, got ",
               vs.head_dim);
-  TORCH_CHECK(!deterministic, op, ": on CUDA the packed backward adds dQ up in a varying order; it has no "
-              "deterministic mode in this version (torch.use_deterministic_algorithms is on)");
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).
@@ -519,6 +526,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   at::Tensor delta = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::zeros({vs.heads, vs.total_q, vs.head_dim}, q.options().dtype(at::kFloat));
+  // Deterministic: dQ added in key-block order, a semaphore per query block of each head (packed.h's slots).
+  const at::Tensor dq_semaphore =
+      deterministic ? at::zeros({vs.heads, vs.total_q / sm80::kBwdBlockM + vs.batch},
+                                q.options().dtype(at::kInt))
+                    : at::Tensor();
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
@@ -547,10 +559,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.lse = lse_rows.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
+  p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  const bool options = mods.window() || mods.softcap > 0.0;
-  err = launch_bwd(p, is_bf16, bucket, options ? mods.right >= 0 : mods.causal(), options, BwdPath::kSm80, stream);
+  err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, BwdPath::kSm80, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
   dq.copy_(dq_accum.permute({1, 0, 2}));

@@ -14,8 +14,11 @@ namespace sm80 {
 template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 
+// The options variant also takes packed sequences and orders dQ by params.dq_semaphore: one int32 per query block of
+// kBwdBlockM rows, (B, H, ceil(Lq / kBwdBlockM)), or (H, total_q / kBwdBlockM + B) packed; zero on entry.
 template <typename T, int HeadDim, bool kCausal, bool kOptions>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
+inline constexpr int kBwdBlockM = 64;
 
 cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);
 }  // namespace sm80

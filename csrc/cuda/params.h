@@ -42,11 +42,6 @@ struct FwdParams {
 
   int batch, heads, heads_kv, len_q, len_k, head_dim;
   int heads_per_kv;  // heads / heads_kv: query head h reads kv head h / heads_per_kv (GQA/MQA)
-  // Packed sequences (sm80 kernels; null: dense): int32 (batch + 1) offsets of each sequence's rows in q and out, and
-  // in k and v (packed.h). Then q, k, v and out are (total, heads, D) with batch strides 0, len_q and len_k are the
-  // totals, and lse is (heads, total_q).
-  const int* __restrict__ cu_seqlens_q;
-  const int* __restrict__ cu_seqlens_k;
 
   float scale;       // multiplies q·k
   float scale_log2;  // scale * log2(e): the kernels work in exp2
@@ -73,6 +68,12 @@ struct FwdParams {
   float* sk_partial;
 
   FwdPlan plan;
+
+  // Packed sequences (the sm80 options variants; null: dense): int32 (batch + 1) offsets of each sequence's rows in q
+  // and out, and in k and v (packed.h). Then q, k, v and out are (total, heads, D) with batch strides 0, len_q and
+  // len_k are the totals, and lse is (heads, total_q). (Last: the dense kernels' parameter layout stays as it was.)
+  const int* __restrict__ cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).
@@ -92,8 +93,8 @@ struct BwdParams {
   const float* __restrict__ lse;    // (B, H, Lq) contiguous, natural log, -inf for rows without keys
   const float* __restrict__ delta;  // (B, H, Lq) contiguous: rowsum(dO * O) - dlse
   float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives scale * dS K
-  // Deterministic dQ (Hopper kernel, D <= 128): (B, H, query blocks, 2 tiles) int32, zero on entry, counting the key
-  // blocks added into each dQ tile so far; null: add in any order.
+  // Deterministic dQ: int32 counts of the key blocks added into each dQ tile so far, zero on entry (Hopper kernel,
+  // D <= 128: (B, H, query blocks, 2 tiles); the sm80 options variant: launchers.h); null: add in any order.
   int* __restrict__ dq_semaphore;
 
   void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
@@ -101,15 +102,16 @@ struct BwdParams {
 
   int batch, heads, heads_kv, len_q, len_k, head_dim;
   int heads_per_kv;
-  // Packed sequences (sm80 kernel), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D]) and dk, dv
-  // (total_k, Hk, D), contiguous.
-  const int* __restrict__ cu_seqlens_q;
-  const int* __restrict__ cu_seqlens_k;
   float scale;       // multiplies q·k
   float scale_log2;  // scale * log2(e)
   // As FwdParams' (the sinks enter only through lse, which includes them).
   int window_left, window_right;
   float softcap;
+
+  // Packed sequences (the sm80 options variant), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D]) and
+  // dk, dv (total_k, Hk, D), contiguous.
+  const int* __restrict__ cu_seqlens_q;
+  const int* __restrict__ cu_seqlens_k;
 };
 
 // rowsum(dO * O) - dlse for every query row (the backward's "D" vector).

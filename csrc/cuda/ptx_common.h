@@ -1,5 +1,6 @@
 // Register and shared-memory helpers every CUDA kernel uses, sm80 and sm90 alike: shared-memory addresses, ldmatrix,
-// packing two floats into a 16-bit pair, and the special-function unit's exp2. Each wraps one instruction.
+// packing two floats into a 16-bit pair, the special-function unit's exp2, and GPU-scope flags between CTAs. Each wraps
+// one instruction.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -55,6 +56,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ float tanh_exp2(float x) {
   constexpr float kTwoLog2e = 2.8853900817779268f;  // 2 * log2(e)
   return 1.f - __fdividef(2.f, fast_exp2(x * kTwoLog2e) + 1.f);
+}
+
+// A GPU-scope flag between CTAs: acquire load, release add.
+__device__ __forceinline__ int ld_acquire_gpu(const int* flag) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void red_release_gpu_add(int* flag, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
 
 }  // namespace flashattn

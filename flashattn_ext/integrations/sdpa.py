@@ -16,7 +16,7 @@ Semantics are the flash backend's: ``is_causal`` aligned bottom-right where Lq !
 routes causal calls with Lq != Lk elsewhere), GQA where kv has fewer heads, windows as (left, right) with -1
 unbounded. What our kernels lack goes to PyTorch's flash kernel, taken from the dispatcher at activation: dropout, the
 debug mask, ALiBi slopes, ``seqused_k``, dtypes other than fp16/bf16, head dims that are not multiples of 8 up to 256,
-rows that are not 16-byte aligned, and packed backwards past D128 or under deterministic algorithms. :data:`calls`
+rows that are not 16-byte aligned, and packed backwards past D128. :data:`calls`
 counts, per op, the calls each side ran.
 """
 from __future__ import annotations
@@ -119,9 +119,8 @@ def _backward_unsupported(grad_out, query, key, value, out, logsumexp, cum_seq_q
                           is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
     if dropout_p > 0:
         return "arguments"
-    if cum_seq_q is not None and cum_seq_q.numel() > 0:
-        if query.shape[-1] > 128 or torch.are_deterministic_algorithms_enabled():
-            return "packed backward"
+    if cum_seq_q is not None and cum_seq_q.numel() > 0 and query.shape[-1] > 128:
+        return "packed backward"
     return _tensors_unsupported(query, key, value)
 
 

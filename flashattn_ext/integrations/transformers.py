@@ -17,8 +17,8 @@ to packed sequences and padded back); packed batches (``cu_seq_lens_q`` / ``cu_s
 (sinks), GQA, ``scaling`` and ``is_causal``. Dropout > 0 in training raises. transformers is imported lazily.
 
 Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims up to 128
-and has no deterministic mode in this version; where a backward would need either, the batch goes through one dense
-call per sequence instead, which reads the sequence lengths on the host (one synchronisation per layer).
+in this version; where a backward needs more, the batch goes through one dense call per sequence instead, which reads
+the sequence lengths on the host (one synchronisation per layer).
 """
 from __future__ import annotations
 
@@ -64,10 +64,9 @@ def _cu_seqlens(lengths: Tensor) -> Tensor:
 
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:
     """flash_attn_varlen on (total, H, D) tensors, or one dense call per sequence (lengths read on the host) where a
-    CUDA backward would need what the packed one lacks (D > 128, deterministic algorithms)."""
+    CUDA backward would need what the packed one lacks (D > 128)."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    lacking = q.shape[-1] > 128 or torch.are_deterministic_algorithms_enabled()
-    if q.device.type != "cuda" or not (needs_grad and lacking):
+    if q.device.type != "cuda" or not (needs_grad and q.shape[-1] > 128):
         return flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
     out = torch.empty_like(q)
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()

@@ -129,18 +129,15 @@ def test_unsupported_falls_back():
         out = flash_sdpa(q, k, v, dropout_p=0.5)
         assert sdpa.calls[("_scaled_dot_product_flash_attention", "fallback")] == 1 and ours_ran() == 0
     assert out.shape == q.shape and torch.isfinite(out).all()
-    # A packed backward under deterministic algorithms: PyTorch's kernel.
+    # A packed backward past D128: PyTorch's kernel.
     from torch.nn.attention.varlen import varlen_attn
 
     cu = torch.tensor([0, 30, 64], dtype=torch.int32, device="cuda")
-    q, k, v = leaves(*(torch.randn(64, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3)))
+    q, k, v = leaves(*(torch.randn(64, 2, 192, dtype=torch.bfloat16, device="cuda") for _ in range(3)))
     with activated():
         out = varlen_attn(q, k, v, cu, cu, 34, 34, window_size=(-1, 0))
-        torch.use_deterministic_algorithms(True)
-        try:
-            out.sum().backward()
-        finally:
-            torch.use_deterministic_algorithms(False)
+        out.sum().backward()
+        assert ours_ran("_flash_attention_forward") == 1
         assert sdpa.calls[("_flash_attention_backward", "fallback")] == 1
     assert q.grad is not None and torch.isfinite(q.grad).all()
 

@@ -306,10 +306,36 @@ def test_cuda_backward_refuses_what_it_lacks():
     out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
     with pytest.raises(RuntimeError, match="head dims up to 128"):
         bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k)
-    q, k, v = (t[..., :64].contiguous() for t in (q, k, v))
-    out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
-    with pytest.raises(RuntimeError, match="no deterministic mode"):
-        bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, deterministic=True)
+
+
+def packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs):
+    q, k, v = leaves(q, k, v)
+    out = flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, **kwargs)
+    return torch.autograd.grad(out, (q, k, v), dout)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mods", ["plain", "causal", "window"])
+def test_cuda_deterministic_backward(mods, deterministic_algorithms):
+    # dQ added in key-block order: every run the same bits, a sequence's gradients the same bits whatever else is
+    # packed with it, and the values those of the default (unordered) backward.
+    kwargs = mods_for(mods, 4, "cuda")
+    q, k, v, cu_q, cu_k = packed_inputs([(700, 900)], 4, 2, 64, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    alone = [packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs) for _ in range(3)]
+    for run in alone[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(alone[0], run))
+    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(130, 70), (700, 900), (5, 300)], 4, 2, 64, torch.bfloat16, "cuda")
+    q2[130:830], k2[70:970], v2[70:970] = q, k, v
+    dout2 = torch.randn_like(q2)
+    dout2[130:830] = dout
+    together = packed_grads(q2, k2, v2, cu_q2, cu_k2, dout2, **kwargs)
+    assert torch.equal(together[0][130:830], alone[0][0])
+    assert torch.equal(together[1][70:970], alone[0][1]) and torch.equal(together[2][70:970], alone[0][2])
+    torch.use_deterministic_algorithms(False)
+    unordered = packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs)
+    for a, b in zip(alone[0], unordered):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.dtypes(cpu=[torch.bfloat16], cuda=[torch.bfloat16])

@@ -9,12 +9,14 @@
 // Working with S^T (keys as rows) makes P^T and dS^T the A operands of the dV/dK GEMMs straight from registers.
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges, and with
 // softcap recomputes t = tanh(scale * S / softcap) for P = exp(softcap * t - lse) and dS = P (dP - delta) (1 - t^2).
+// It also takes packed sequences, and with dQ semaphores adds each query block's dQ in key-block order (deterministic).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
 
+#include "cuda/launchers.h"
 #include "cuda/packed.h"
 #include "cuda/params.h"
 #include "cuda/sm80/ptx.h"
@@ -40,7 +42,25 @@ struct BwdTraits {
   }
   static_assert(HeadDim % 32 == 0 && HeadDim <= 128, "the fused backward covers head-dim buckets up to 128");
   static_assert(kBlockM == kNWarps * 16, "the dQ GEMM gives each warp 16 query rows");
+  static_assert(kBlockM == kBwdBlockM, "the host sizes the dQ semaphores by kBwdBlockM");
 };
+
+// The first key block that sees query block m_start / kBlockM (the visiting key blocks are consecutive from there; the
+// kernel's own bounds below make this one visit it whenever any does).
+template <typename Traits>
+__device__ __forceinline__ int first_key_block_of(int m_start, int causal_shift, int left) {
+  const int first_key = m_start + causal_shift - left;
+  return left < 0 || first_key <= 0 ? 0 : first_key / Traits::kBlockN;
+}
+
+// A query block's semaphore: dense (B, H, ceil(Lq / kBlockM)); packed (H, packed_slots(total_q, B, kBlockM)).
+template <typename Traits>
+__device__ __forceinline__ int64_t dq_semaphore_index_of(const BwdParams& p, bool packed, int batch, int head,
+                                                         int q_block) {
+  if (packed) return static_cast<int64_t>(head) * packed_slots(p.len_q, p.batch, Traits::kBlockM) + q_block;
+  const int num_q_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  return (static_cast<int64_t>(batch) * p.heads + head) * num_q_blocks + q_block;
+}
 
 template <typename T, typename Traits, bool kCausal, bool kOptions>
 __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const __grid_constant__ BwdParams p) {
@@ -63,10 +83,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   float* const s_lse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // lse * log2 e; +inf: P = 0
   float* const s_delta = s_lse + kBlockM;
 
-  // Key blocks fastest, then kv heads, then batches; packed sequences: the slots of every sequence (packed.h), then
-  // kv heads, the sequence's rows starting at row_q / row_k.
-  int n_block, kv_head, batch, len_q = p.len_q, len_k = p.len_k, row_q = 0, row_k = 0;
-  if (p.cu_seqlens_q == nullptr) {
+  // Key blocks fastest, then kv heads, then batches. Packed sequences (options variant only, so the plain kernels carry
+  // none of it): the slots of every sequence (packed.h), then kv heads, the sequence's rows starting at row_q / row_k.
+  const bool packed = kOptions && p.cu_seqlens_q != nullptr;
+  int n_block, kv_head, batch, seq_len_q = 0, seq_len_k = 0, row_q = 0, row_k = 0;
+  int dq_block0 = 0;  // ordered dQ: the first query block of this sequence in the semaphores' per-head numbering
+  // The lengths: the params' in the plain variants (read where used), the sequence's in the options variant.
+  const auto len_q = [&] { return packed ? seq_len_q : p.len_q; };
+  const auto len_k = [&] { return packed ? seq_len_k : p.len_k; };
+  if (!packed) {
     const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
     n_block = blockIdx.x % num_n_blocks;
     kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
@@ -77,12 +102,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
     const PackedBlock b = find_packed_block(p.cu_seqlens_k, p.len_k, p.cu_seqlens_q, p.len_q, p.batch, kBlockN,
                                             blockIdx.x % num_slots);
     if (b.block * kBlockN >= b.len) return;  // an idle slot
-    batch = 0, n_block = b.block, len_k = b.len, len_q = b.other_len, row_k = b.row, row_q = b.other_row;
+    batch = 0, n_block = b.block, seq_len_k = b.len, seq_len_q = b.other_len, row_k = b.row, row_q = b.other_row;
+    dq_block0 = row_q / kBlockM + b.batch;  // the query side's packed slots (packed.h)
   }
   const int n_start = n_block * kBlockN;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int causal_shift = len_k - len_q;  // query i sees keys j <= i + causal_shift
+  const int causal_shift = len_k() - len_q();  // query i sees keys j <= i + causal_shift
 
   const int left = kOptions ? p.window_left : -1;
   const int right = kCausal ? 0 : kOptions ? p.window_right : -1;
@@ -91,15 +117,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   // first query i with i + causal_shift + right >= n_start, under its left edge those up to the last query i with
   // i + causal_shift - left <= n_start + kBlockN - 1.
   const int m_block_first = right < 0 ? 0 : max(0, n_start - causal_shift - right) / kBlockM;
-  const int m_row_end = left < 0 ? len_q : max(0, min(len_q, n_start + kBlockN - causal_shift + left));
+  const int m_row_end = left < 0 ? len_q() : max(0, min(len_q(), n_start + kBlockN - causal_shift + left));
   const int num_m_blocks = (m_row_end + kBlockM - 1) / kBlockM;
 
   const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
                     static_cast<int64_t>(row_k) * p.k_row_stride;
   const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
                     static_cast<int64_t>(row_k) * p.v_row_stride;
-  load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, n_start, len_k, p.head_dim);
-  load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, n_start, len_k, p.head_dim);
+  load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, n_start, len_k(), p.head_dim);
+  load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, n_start, len_k(), p.head_dim);
   cp_async_commit();
 
   float acc_dk[kDTiles][4];
@@ -134,12 +160,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
     for (int m_block = m_block_first; m_block < num_m_blocks; ++m_block) {
       const int m_start = m_block * kBlockM;
       __syncthreads();  // every warp is done with the previous block's sQ, sdO, sdS, s_lse, s_delta
-      load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q, p.head_dim);
-      load_tile_async<T, Traits, kBlockM>(sdO, do_base, p.do_row_stride, m_start, len_q, p.head_dim);
+      load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q(), p.head_dim);
+      load_tile_async<T, Traits, kBlockM>(sdO, do_base, p.do_row_stride, m_start, len_q(), p.head_dim);
       cp_async_commit();
       if (threadIdx.x < kBlockM) {
         const int row = m_start + threadIdx.x;
-        const float row_lse = row < len_q ? lse[row] : -INFINITY;
+        const float row_lse = row < len_q() ? lse[row] : -INFINITY;
         // A row past the end or without any visible key contributes nothing: exp2(x - inf) = 0, and its delta is
         // zeroed so that a non-finite dlse there cannot turn 0 * inf into NaN.
         const bool contributes = row_lse != -INFINITY;
@@ -176,7 +202,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 
       // P^T and dS^T, packed to T in the A-fragment layout. Element (qt, i): key key_row0 + lane/4 + 8 (i/2),
       // query qt * 8 + 2 (lane % 4) + i % 2.
-      const bool needs_mask = n_start + kBlockN > len_k ||
+      const bool needs_mask = n_start + kBlockN > len_k() ||
                               (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                               (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
       const bool softcap = kOptions && p.softcap > 0.f;
@@ -198,7 +224,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             if (needs_mask) {
               const int key = n_start + key_row0 + lane / 4 + 8 * half;
               const int diagonal = m_start + query + causal_shift;
-              if (key >= len_k || (right >= 0 && key > diagonal + right) ||
+              if (key >= len_k() || (right >= 0 && key > diagonal + right) ||
                   (kOptions && left >= 0 && key < diagonal - left)) {
                 prob = 0.f;
               }
@@ -254,10 +280,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
           mma_16816<T>(acc_dq[2 * dp + 1], a, b[2], b[3]);
         }
       }
+      // Ordered dQ (options variant, p.dq_semaphore): the key blocks that see this query block add into it one after
+      // the other, in key-block order, so the sums are the same bits on every run.
+      int* semaphore = nullptr;
+      if (kOptions && p.dq_semaphore != nullptr) {
+        semaphore = p.dq_semaphore + dq_semaphore_index_of<Traits>(p, packed, batch, head, dq_block0 + m_block);
+        if (threadIdx.x == 0) {
+          const int turn = n_block - first_key_block_of<Traits>(m_start, causal_shift, left);
+          while (ld_acquire_gpu(semaphore) != turn) {
+          }
+        }
+        __syncthreads();
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = m_start + query_row0 + lane / 4 + 8 * half;
-        if (row < len_q) {
+        if (row < len_q()) {
           float* dq_row = dq_accum + static_cast<int64_t>(row) * p.head_dim;
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
@@ -269,23 +307,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
           }
         }
       }
+      if (semaphore != nullptr) {
+        __threadfence();
+        __syncthreads();  // every thread's additions are made before the next key block's turn
+        if (threadIdx.x == 0) red_release_gpu_add(semaphore, 1);
+      }
     }
   }
   cp_async_wait<0>();  // no query block at all: K/V copies may still be in flight
 
   // dK = scale * dS^T Q; dV = P^T dO. This CTA is the only writer of its keys' rows.
   // Dense: (B, Hk, Lk, D); packed: (total_k, Hk, D).
-  const bool packed = p.cu_seqlens_q != nullptr;
-  const int64_t dkv_row_stride = packed ? static_cast<int64_t>(p.heads_kv) * p.head_dim : p.head_dim;
-  const int64_t dkv_offset = packed ? (static_cast<int64_t>(row_k) * p.heads_kv + kv_head) * p.head_dim
-                                    : (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
-  T* dk_base = static_cast<T*>(p.dk) + dkv_offset;
-  T* dv_base = static_cast<T*>(p.dv) + dkv_offset;
+  T* dk_base = static_cast<T*>(p.dk) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
+  T* dv_base = static_cast<T*>(p.dv) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
+  if (packed) {
+    dk_base = static_cast<T*>(p.dk) + (static_cast<int64_t>(row_k) * p.heads_kv + kv_head) * p.head_dim;
+    dv_base = static_cast<T*>(p.dv) + (static_cast<int64_t>(row_k) * p.heads_kv + kv_head) * p.head_dim;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = n_start + key_row0 + lane / 4 + 8 * half;
-    if (key < len_k) {
-      const int64_t row = static_cast<int64_t>(key) * dkv_row_stride;
+    if (key < len_k()) {
+      const int64_t row = static_cast<int64_t>(key) * (packed ? p.heads_kv * p.head_dim : p.head_dim);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + 2 * (lane % 4);
@@ -310,7 +353,7 @@ cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int64_t blocks = params.cu_seqlens_q == nullptr
+  const int64_t blocks = !kOptions || params.cu_seqlens_q == nullptr
                              ? num_n_blocks * params.heads_kv * params.batch
                              : static_cast<int64_t>(packed_slots(params.len_k, params.batch, Traits::kBlockN)) *
                                    params.heads_kv;

@@ -82,10 +82,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   T* const sV = sK + Traits::kStages * Traits::kSmemKV;     // [kStages][kBlockN][kStride]
 
   // Block order: query blocks fastest, so CTAs running together share one head's K/V in L2. Causal runs the
-  // longest query blocks (the last ones) first so that the short ones fill the tail of the grid. Packed sequences:
-  // the slots of every sequence (packed.h) fastest, then heads; the sequence's rows start at row_q / row_k.
-  int m_block, head, batch, len_q = p.len_q, len_k = p.len_k, row_q = 0, row_k = 0;
-  if (p.cu_seqlens_q == nullptr) {
+  // longest query blocks (the last ones) first so that the short ones fill the tail of the grid. Packed sequences
+  // (options variant only, so the plain kernels carry none of it): the slots of every sequence (packed.h) fastest,
+  // then heads; the sequence's rows start at row_q / row_k.
+  const bool packed = kOptions && p.cu_seqlens_q != nullptr;
+  int m_block, head, batch, seq_len_q = 0, seq_len_k = 0, row_q = 0, row_k = 0;
+  // The lengths: the params' in the plain variants (read where used), the sequence's in the options variant.
+  const auto len_q = [&] { return packed ? seq_len_q : p.len_q; };
+  const auto len_k = [&] { return packed ? seq_len_k : p.len_k; };
+  if (!packed) {
     const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
     const int m_index = blockIdx.x % num_m_blocks;
     m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
@@ -96,23 +101,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     const int index = blockIdx.x % num_slots;
     head = blockIdx.x / num_slots;
     const PackedBlock b = find_packed_block(p.cu_seqlens_q, p.len_q, p.cu_seqlens_k, p.len_k, p.batch, kBlockM,
-                                            kCausal ? num_slots - 1 - index : index);
+                                            index);
     if (b.block * kBlockM >= b.len) return;  // an idle slot
-    batch = 0, m_block = b.block, len_q = b.len, len_k = b.other_len, row_q = b.row, row_k = b.other_row;
+    batch = 0, m_block = b.block, seq_len_q = b.len, seq_len_k = b.other_len, row_q = b.row, row_k = b.other_row;
   }
   const int kv_head = head / p.heads_per_kv;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int m_start = m_block * kBlockM;
-  const int m_end = min(m_start + kBlockM, len_q);
-  const int causal_shift = len_k - len_q;  // query i sees keys j <= i + causal_shift
+  const int m_end = min(m_start + kBlockM, len_q());
+  const int causal_shift = len_k() - len_q();  // query i sees keys j <= i + causal_shift
   const int left = kOptions ? p.window_left : -1;
   const int right = kCausal ? 0 : kOptions ? p.window_right : -1;
 
   // Keys this block can see: [n_begin, n_end), in key blocks first_n_block .. num_n_blocks - 1.
-  const int n_begin = left < 0 ? 0 : min(len_k, max(0, m_start + causal_shift - left));
-  const int n_end = right < 0 ? len_k : max(0, min(len_k, m_end + causal_shift + right));
+  const int n_begin = left < 0 ? 0 : min(len_k(), max(0, m_start + causal_shift - left));
+  const int n_end = right < 0 ? len_k() : max(0, min(len_k(), m_end + causal_shift + right));
   const int first_n_block = n_begin / kBlockN;
   const int num_n_blocks = kOptions && n_end <= n_begin ? first_n_block : (n_end + kBlockN - 1) / kBlockN;
 
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   // Prologue: {Q, K0, V0} in flight. Each iteration then waits for block j, and one barrier both publishes it
   // and proves every warp is done with block j - 1, whose stage receives block j + 1 at once. One barrier per
   // block lets warps drift apart, so one warp's softmax runs under another's MMAs.
-  load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q, p.head_dim);
+  load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q(), p.head_dim);
   if (num_n_blocks > first_n_block) {
     load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, first_n_block * kBlockN, n_end, p.head_dim);
     load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, first_n_block * kBlockN, n_end, p.head_dim);
@@ -223,7 +228,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     // Mask keys past the end and, on the band's edges (the causal diagonal), keys outside each query's range. The
     // scale is applied inside the exp2 below (one FFMA per score); a negative scale is handled by negating the scores
     // here, so the row maxima below are always maxima of scale * score.
-    const bool needs_mask = n_start + kBlockN > len_k ||
+    const bool needs_mask = n_start + kBlockN > len_k() ||
                             (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                             (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
     if (needs_mask || negate) {
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
         for (int half = 0; half < 2; ++half) {
           // The keys this row may see, relative to this thread's first column in the block.
           const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
-          int last_col = len_k - 1;
+          int last_col = len_k() - 1;
           if (right >= 0) last_col = min(last_col, row + causal_shift + right);
           last_col -= n_start + 2 * (lane % 4);
           const int first_col = left < 0 ? INT_MIN : row + causal_shift - left - n_start - 2 * (lane % 4);
@@ -333,9 +338,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int row = m_start + warp_row0 + mt * 16 + lane / 4 + half * 8;
-      // (A packed sequence may have no keys at all; dense calls without keys never launch.)
-      const bool sees_keys = kOptions ? row_sees_band(row, causal_shift, left, right, len_k)
-                                      : len_k > 0 && row_sees_keys<kCausal>(row, causal_shift);
+      const bool sees_keys = kOptions ? row_sees_band(row, causal_shift, left, right, len_k())
+                                      : row_sees_keys<kCausal>(row, causal_shift);
       float base = row_max[mt][half] * scale_log2;
       float keep = 1.f;
       if (kOptions && p.sinks != nullptr) keep = add_sink(p.sinks[head], base, sum);
@@ -345,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
         acc_o[mt][dt][2 * half] *= inv;
         acc_o[mt][dt][2 * half + 1] *= inv;
       }
-      if (lane % 4 == 0 && row < len_q) {
+      if (lane % 4 == 0 && row < len_q()) {
         // A row without keys has its sink's logit as lse, exactly.
         lse_base[row] = kOptions && p.sinks != nullptr && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum);
       }
@@ -363,7 +367,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   }
   __syncwarp();
   store_rows<T, Traits>(o_base, p.o_row_stride, sQ + warp_row0 * kStride, m_start + warp_row0, kMTiles * 16,
-                        len_q, p.head_dim, lane);
+                        len_q(), p.head_dim, lane);
 }
 
 // Launches the forward on `stream`; returns the first CUDA error (attribute or launch), never synchronises.
@@ -377,7 +381,7 @@ cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t blocks = params.cu_seqlens_q == nullptr
+  const int64_t blocks = !kOptions || params.cu_seqlens_q == nullptr
                              ? num_m_blocks * params.heads * params.batch
                              : static_cast<int64_t>(packed_slots(params.len_q, params.batch, Traits::kBlockM)) *
                                    params.heads;

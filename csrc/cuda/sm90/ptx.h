@@ -202,17 +202,6 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
-// A GPU-scope flag between CTAs: acquire load, release add.
-__device__ __forceinline__ int ld_acquire_gpu(const int* flag) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void red_release_gpu_add(int* flag, int value) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
-}
-
 // Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads: ping-pong between consumer warpgroups.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
