@@ -162,10 +162,12 @@ def flash_attn_with_kvcache(
         cache_seqlens: int32 (B,) valid lengths before the append (default: the whole cache less Lnew). Whatever lies
             past a valid length (garbage, NaN) never reaches the output. ``cache_seqlens`` itself is not changed.
         causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per batch entry (bottom-right causal).
-        num_splits: a hint for the split over keys (0: chosen from the shape).
+        num_splits: a hint for the split over keys (0: chosen from the shape; not used in this version).
         return_lse: also return lse (float32, (B, H, Lq)).
 
-    Runs on CPU in this version (CUDA raises a clear error). Returns out (B, H, Lq, D), or (out, lse).
+    On CUDA the lengths and the block table are read on the device only (no host synchronisation; a captured CUDA graph
+    replays with new lengths), so their values are not checked there: out-of-range ones are clamped into the cache
+    (wrong rows, never an access outside it); the CPU checks them. Returns out (B, H, Lq, D), or (out, lse).
     """
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
         raise RuntimeError("flash_attn_with_kvcache is forward only: call it under torch.no_grad() or on tensors "

@@ -1,6 +1,7 @@
 // CUDA backend of torch.ops.flashattn: validate, guard the device, allocate, fill the params, plan, one dispatch.
 // ATen types stop here; kernels only see FwdParams / BwdParams.
 #include <ATen/ATen.h>
+#include <ATen/TensorIndexing.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -174,8 +175,17 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
             }
           }
 #endif
-          // The portable options variant carries the whole band in its window (kCausal false).
-          err = sm80::run_fwd_sm80<T, kBucket, kCausal && !kOptions, kOptions>(params, stream);
+          // The portable options variant carries the whole band in its window (kCausal false); its sequences variant
+          // also packed sequences and KV caches.
+          const bool sequences =
+              params.cu_seqlens_q != nullptr || params.seqlens_k != nullptr || params.block_table != nullptr;
+          if constexpr (kOptions) {
+            if (sequences) {
+              err = sm80::run_fwd_sm80<T, kBucket, false, true, true>(params, stream);
+              return;
+            }
+          }
+          err = sm80::run_fwd_sm80<T, kBucket, kCausal && !kOptions, kOptions, false>(params, stream);
         });
       });
     });
@@ -268,8 +278,9 @@ BwdParams make_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at:
 // float32).
 enum class BwdPath { kSm90, kSm80, kChunked };
 
-cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool options, BwdPath path,
-                       cudaStream_t stream) {
+// `sequences`: the sm80 sequences variant (packed sequences, ordered dQ), which takes the band (options) too.
+cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool options, bool sequences,
+                       BwdPath path, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
   dispatch_half_type(is_bf16, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
@@ -288,8 +299,10 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
 #endif
           // The portable options variant carries the whole band in its window (kCausal false).
           if constexpr (kBucket <= kMaxFusedBwdSm80Bucket) {
-            if (path == BwdPath::kSm80) {
-              err = sm80::run_bwd_sm80<T, kBucket, kCausal && !kOptions, kOptions>(params, stream);
+            if (path == BwdPath::kSm80 && sequences) {
+              err = sm80::run_bwd_sm80<T, kBucket, false, true, true>(params, stream);
+            } else if (path == BwdPath::kSm80) {
+              err = sm80::run_bwd_sm80<T, kBucket, kCausal && !kOptions, kOptions, false>(params, stream);
             }
           }
         });
@@ -333,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
                           (!options || sm90_kernel_head_dim(bucket) <= 128);
   // The fused kernels add dQ up across CTAs in an order that varies, except with dQ semaphores: the Hopper kernel's up
-  // to D128 without options, and the sm80 options variant's (any band) up to its largest bucket. deterministic=True
+  // to D128 without options, and the sm80 sequences variant's (any band) up to its largest bucket. deterministic=True
   // takes one of those, else the chunked backward.
   const bool sm90_ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128 && !options;
   const bool fused_sm80 = bucket <= kMaxFusedBwdSm80Bucket;
@@ -353,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
                        : fused_sm80                                        ? BwdPath::kSm80
                                                                            : BwdPath::kChunked;
   if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
-  // Deterministic on the sm80 kernel: its options variant (the band carries causal) with ordered dQ.
+  // Deterministic on the sm80 kernel: its sequences variant (the band carries causal) with ordered dQ.
   const bool sm80_ordered_dq = path == BwdPath::kSm80 && deterministic;
 
   const at::Tensor out_rows = with_aligned_rows(out);
@@ -397,7 +410,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
   err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal, options || sm80_ordered_dq,
-                   path, stream);
+                   sm80_ordered_dq, path, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {dq_accum.to(q.scalar_type()), dk, dv};
 }
@@ -421,7 +434,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
 // ==== Packed sequences =============================================================================================
 //
-// One launch of the sm80 options variants over every sequence (the plain kernels stay free of it): the kernels find
+// One launch of the sm80 sequences variants over every sequence (the other kernels stay free of it): the kernels find
 // each CTA's sequence in cu_seqlens on the device (packed.h), so nothing is read back to the host and a captured graph
 // replays with new lengths. Causal is the band's right edge there.
 
@@ -562,7 +575,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, BwdPath::kSm80, stream);
+  err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true, BwdPath::kSm80, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
   dq.copy_(dq_accum.permute({1, 0, 2}));
@@ -572,18 +585,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   return {dq, dk, dv, dsinks};
 }
 
-// The KV-cache forward: not on CUDA yet (split-KV, pack-GQA and paged reads are its kernels' work); inputs checked.
+// ==== KV cache ======================================================================================================
+//
+// The new keys and values are written into the cache on the device (positions from cache_seqlens, never read on the
+// host), then the sm80 sequences variant attends over each entry's valid keys, from a dense cache or through the block
+// table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are clamped into the cache
+// (wrong rows, never an access outside it).
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                                     const std::optional<at::Tensor>& k,
                                                     const std::optional<at::Tensor>& v,
                                                     const std::optional<at::Tensor>& cache_seqlens,
-                                                    const std::optional<at::Tensor>& block_table, bool,
-                                                    std::optional<double>, at::IntArrayRef, double,
-                                                    const std::optional<at::Tensor>&, int64_t) {
-  check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table);
-  TORCH_CHECK(false, "flashattn.fwd_kvcache: the KV-cache API runs on CPU only in this version; on CUDA, call "
-                     "flash_attn with q against the cache's valid keys (bottom-right causal)");
-  return {};
+                                                    const std::optional<at::Tensor>& block_table, bool causal,
+                                                    std::optional<double> scale, at::IntArrayRef window_size,
+                                                    double softcap, const std::optional<at::Tensor>& sinks,
+                                                    int64_t /*num_splits*/) {
+  constexpr const char* op = "flashattn.fwd_kvcache";
+  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, op);
+  const AttentionShape s{ks.batch, ks.heads, ks.heads_kv, ks.len_q, ks.capacity, ks.head_dim};
+  check_cuda_inputs(op, q, k_cache, v_cache, s);
+  const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
+  const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
+  const int bucket = head_dim_bucket(ks.head_dim);
+  TORCH_CHECK(head_dim_bucket_built(bucket), op, ": head dim ", ks.head_dim, " needs bucket ", bucket,
+              ", which this build left out (FLASHATTN_HEADDIMS at build time)");
+
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  if (ks.len_new > 0 && ks.capacity > 0) {  // the append: cache position p of entry b, for p from its valid length
+    const at::TensorOptions longs = q.options().dtype(at::kLong);
+    const at::Tensor start = cache_seqlens.has_value() ? cache_seqlens->to(at::kLong)
+                                                       : at::full({ks.batch}, ks.capacity - ks.len_new, longs);
+    const at::Tensor pos = (start.unsqueeze(1) + at::arange(ks.len_new, longs)).clamp_(0, ks.capacity - 1);
+    if (ks.paged) {
+      const at::Tensor page =
+          block_table->to(at::kLong).gather(1, pos.div(ks.page_size, "floor")).clamp_(0, ks.num_pages - 1);
+      const at::Tensor row = pos.remainder(ks.page_size);
+      // cache[page, :, row] takes (B, Lnew, Hk, D): the indexed dimensions first.
+      using at::indexing::Slice;
+      k_cache.index_put_({page, Slice(), row}, k->transpose(1, 2));
+      v_cache.index_put_({page, Slice(), row}, v->transpose(1, 2));
+    } else {
+      const at::Tensor index = pos.view({ks.batch, 1, ks.len_new, 1}).expand({ks.batch, ks.heads_kv, ks.len_new,
+                                                                              ks.head_dim});
+      k_cache.scatter_(2, index, *k);
+      v_cache.scatter_(2, index, *v);
+    }
+  }
+  at::Tensor out = at::empty({ks.batch, ks.heads, ks.len_q, ks.head_dim}, q.options());
+  at::Tensor lse = at::empty({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
+  if (s.empty()) return {out, lse};
+
+  FwdParams p = make_fwd_params(q, k_cache, v_cache, out, lse, s, mods.right >= 0, softmax_scale);
+  set_score_mods(p, mods);
+  p.options = true;
+  const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
+  p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
+  const at::Tensor lengths =
+      cache_seqlens.has_value() ? (*cache_seqlens + ks.len_new).to(at::kInt).contiguous() : at::Tensor();
+  p.seqlens_k = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
+  const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
+  if (ks.paged) {
+    p.block_table = pages.data_ptr<int>();
+    p.block_table_stride = pages.size(1);
+    p.page_size = static_cast<int>(ks.page_size);
+    p.num_pages = static_cast<int>(ks.num_pages);
+  }
+  p.plan.kernel = FwdKernel::kSm80;
+  p.plan.head_dim = bucket;
+  const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  return {out, lse};
 }
 
 }  // namespace

@@ -17,10 +17,13 @@ PLAIN = (("noncausal", "false"), ("causal", "true"))
 WITH_OPTIONS = (("noncausal", "false, false"), ("causal", "true, false"), ("options", "false, true"))
 # The Hopper forward's options variants come in both schedules (a band with a right edge runs as causal).
 WITH_OPTIONS_BOTH = WITH_OPTIONS + (("options_causal", "true, true"),)
+# The sm80 kernels' options variant also comes with per-sequence lengths and offsets (packed sequences, a KV cache,
+# ordered dQ): kept out of the others, whose registers it would crowd.
+WITH_SEQUENCES = tuple((name, args + ", false") for name, args in WITH_OPTIONS) + (("sequences", "false, true, true"),)
 # (file prefix, header, launcher, params, variants: a tuple, or a function of the head dim giving one)
 KERNELS = (
-    ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", WITH_OPTIONS),
-    ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_OPTIONS),
+    ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", WITH_SEQUENCES),
+    ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_SEQUENCES),
     ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", WITH_OPTIONS_BOTH),
     ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams",
      lambda head_dim: WITH_OPTIONS_BOTH if head_dim <= 128 else WITH_OPTIONS_BOTH[:2]),

@@ -11,12 +11,14 @@ namespace flashattn {
 
 namespace sm80 {
 // kOptions: the variants with a sliding window, softcap and sinks (the params' score modifications; kCausal false).
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+// kSequences (with kOptions): per-sequence lengths and offsets too: packed sequences (params.cu_seqlens_*), a KV
+// cache (params.seqlens_k, params.block_table); in the backward also dQ in a fixed order (params.dq_semaphore: one
+// int32 per query block of kBwdBlockM rows, (B, H, ceil(Lq / kBwdBlockM)), or (H, total_q / kBwdBlockM + B) packed;
+// zero on entry).
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 
-// The options variant also takes packed sequences and orders dQ by params.dq_semaphore: one int32 per query block of
-// kBwdBlockM rows, (B, H, ceil(Lq / kBwdBlockM)), or (H, total_q / kBwdBlockM + B) packed; zero on entry.
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
 inline constexpr int kBwdBlockM = 64;
 

@@ -69,11 +69,18 @@ struct FwdParams {
 
   FwdPlan plan;
 
-  // Packed sequences (the sm80 options variants; null: dense): int32 (batch + 1) offsets of each sequence's rows in q
+  // Packed sequences (the sm80 sequences variants; null: dense): int32 (batch + 1) offsets of each sequence's rows in q
   // and out, and in k and v (packed.h). Then q, k, v and out are (total, heads, D) with batch strides 0, len_q and
   // len_k are the totals, and lse is (heads, total_q). (Last: the dense kernels' parameter layout stays as it was.)
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
+  // A KV cache (the sm80 sequences variant): seqlens_k, int32 (batch,), each entry's valid keys (clamped to len_k, the
+  // cache's capacity), or null: len_k. block_table, int32 (batch, block_table_stride), or null: a paged cache, whose
+  // k/v batch strides are then the page strides (num_pages pages of page_size rows).
+  const int* __restrict__ seqlens_k;
+  const int* __restrict__ block_table;
+  int64_t block_table_stride;
+  int page_size, num_pages;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).
@@ -94,7 +101,7 @@ struct BwdParams {
   const float* __restrict__ delta;  // (B, H, Lq) contiguous: rowsum(dO * O) - dlse
   float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives scale * dS K
   // Deterministic dQ: int32 counts of the key blocks added into each dQ tile so far, zero on entry (Hopper kernel,
-  // D <= 128: (B, H, query blocks, 2 tiles); the sm80 options variant: launchers.h); null: add in any order.
+  // D <= 128: (B, H, query blocks, 2 tiles); the sm80 sequences variant: launchers.h); null: add in any order.
   int* __restrict__ dq_semaphore;
 
   void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
@@ -108,7 +115,7 @@ struct BwdParams {
   int window_left, window_right;
   float softcap;
 
-  // Packed sequences (the sm80 options variant), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D]) and
+  // Packed sequences (the sm80 sequences variant), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D]) and
   // dk, dv (total_k, Hk, D), contiguous.
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;

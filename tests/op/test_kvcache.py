@@ -205,8 +205,113 @@ def test_block_table_out_of_range():
                     block_table)
 
 
+# ---- CUDA: the sm80 sequences variant over each entry's valid keys ---------------------------------------------------
+
+CUDA_LMAX, CUDA_D = 512, 64
+
+
+def cuda_caches(lengths, dtype=torch.bfloat16):
+    """Dense (B, Hk, CUDA_LMAX, D) caches with NaN past each entry's valid length."""
+    k_cache = torch.randn(B, HK, CUDA_LMAX, CUDA_D, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    for cache in (k_cache, v_cache):
+        for b, n in enumerate(lengths):
+            cache[b, :, n:] = float("nan")
+    return k_cache, v_cache
+
+
+def cuda_pages(k_cache, v_cache, page_size, seed=0):
+    """The dense caches' contents as pages in a random order (spare pages NaN) and the block table."""
+    per_entry = CUDA_LMAX // page_size
+    num_pages = B * per_entry + 5
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: B * per_entry]
+    block_table = order.view(B, per_entry).to(torch.int32).cuda()
+    pages = [torch.full((num_pages, HK, page_size, CUDA_D), float("nan"), dtype=k_cache.dtype, device="cuda")
+             for _ in range(2)]
+    for cache, paged in zip((k_cache, v_cache), pages):
+        paged[block_table.view(-1).long()] = cache.view(B, HK, per_entry, page_size, CUDA_D).transpose(1, 2).reshape(
+            -1, HK, page_size, CUDA_D)
+    return pages[0], pages[1], block_table
+
+
+def cuda_mods(name):
+    mods = dict(MODS[name])
+    if mods.get("sinks"):
+        mods["sinks"] = torch.linspace(-1.0, 1.0, H, device="cuda")
+    return mods
+
+
 @pytest.mark.cuda
-def test_cuda_says_not_yet():
-    k_cache = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="runs on CPU only"):
-        fwd_kvcache(torch.randn(1, 2, 1, 64, dtype=torch.bfloat16, device="cuda"), k_cache, k_cache.clone())
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("len_new", [0, 1, 4])
+@pytest.mark.parametrize("len_q", [1, 4])
+def test_cuda_dense_cache(len_q, len_new, mods):
+    lengths = [0, 300, CUDA_LMAX - len_new]  # an empty cache, a partial one, one that the append fills
+    k_cache, v_cache = cuda_caches(lengths)
+    q = torch.randn(B, H, len_q, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") if len_new else None
+    v = torch.randn_like(k) if len_new else None
+    kwargs = cuda_mods(mods)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True, **kwargs)
+    assert torch.isfinite(out).all(), "nothing past a valid length may reach the output"
+    assert torch.equal(seqlens.cpu(), torch.tensor(lengths, dtype=torch.int32)), "cache_seqlens is not changed"
+    for b, n in enumerate(lengths):
+        if len_new:
+            assert torch.equal(k_cache[b, :, n : n + len_new], k[b]) and torch.equal(v_cache[b, :, n : n + len_new], v[b])
+        keys, values = k_cache[b : b + 1, :, : n + len_new], v_cache[b : b + 1, :, : n + len_new]
+        assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("mods", ["causal", "softcap-sinks"])
+def test_cuda_paged_cache_matches_dense(page_size, mods):
+    lengths, len_new = [5, 300, CUDA_LMAX - 2], 2
+    k_cache, v_cache = cuda_caches(lengths)
+    k_pages, v_pages, block_table = cuda_pages(k_cache, v_cache, page_size)
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    kwargs = cuda_mods(mods)
+    dense_out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, **kwargs)
+    paged_out = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, **kwargs)
+    assert torch.equal(paged_out, dense_out)
+    for b, n in enumerate(lengths):  # the appended rows landed in the right pages
+        for t in range(len_new):
+            page, offset = int(block_table[b, (n + t) // page_size]), (n + t) % page_size
+            assert torch.equal(k_pages[page, :, offset], k[b, :, t])
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_new_lengths():
+    # Lengths live on the device only: a decode step captured once replays with new cache_seqlens.
+    k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.tensor([10, 20, 30], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([1, 500, 0], [512, 512, 512], [64, 65, 129]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        want = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_values_never_fault():
+    # cache_seqlens and block_table values cannot be checked without a synchronisation: clamped, never a fault.
+    k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
+    k_pages, v_pages, block_table = cuda_pages(k_cache, v_cache, 64)
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k = v = torch.randn(B, HK, 3, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.tensor([-7, CUDA_LMAX, 10**6], dtype=torch.int32, device="cuda")
+    flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
+    block_table[0, 0], block_table[1, 3] = -1, 10**6
+    flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table)
+    torch.cuda.synchronize()

@@ -9,7 +9,8 @@
 // Working with S^T (keys as rows) makes P^T and dS^T the A operands of the dV/dK GEMMs straight from registers.
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges, and with
 // softcap recomputes t = tanh(scale * S / softcap) for P = exp(softcap * t - lse) and dS = P (dP - delta) (1 - t^2).
-// It also takes packed sequences, and with dQ semaphores adds each query block's dQ in key-block order (deterministic).
+// The sequences variant (kSequences) adds packed sequences to it, and with dQ semaphores adds each query block's dQ in
+// key-block order (deterministic).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -62,9 +63,10 @@ __device__ __forceinline__ int64_t dq_semaphore_index_of(const BwdParams& p, boo
   return (static_cast<int64_t>(batch) * p.heads + head) * num_q_blocks + q_block;
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const __grid_constant__ BwdParams p) {
   static_assert(!(kCausal && kOptions), "the options variant carries causal in its band");
+  static_assert(kOptions || !kSequences, "per-sequence lengths come with the options variant");
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -83,12 +85,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   float* const s_lse = reinterpret_cast<float*>(sdS + kBlockN * kDsStride);  // lse * log2 e; +inf: P = 0
   float* const s_delta = s_lse + kBlockM;
 
-  // Key blocks fastest, then kv heads, then batches. Packed sequences (options variant only, so the plain kernels carry
-  // none of it): the slots of every sequence (packed.h), then kv heads, the sequence's rows starting at row_q / row_k.
-  const bool packed = kOptions && p.cu_seqlens_q != nullptr;
+  // Key blocks fastest, then kv heads, then batches. Packed sequences (the sequences variant; the others carry none of
+  // it): the slots of every sequence (packed.h), then kv heads, the sequence's rows starting at row_q / row_k.
+  const bool packed = kSequences && p.cu_seqlens_q != nullptr;
   int n_block, kv_head, batch, seq_len_q = 0, seq_len_k = 0, row_q = 0, row_k = 0;
   int dq_block0 = 0;  // ordered dQ: the first query block of this sequence in the semaphores' per-head numbering
-  // The lengths: the params' in the plain variants (read where used), the sequence's in the options variant.
+  // The lengths: the params' (read where used), or with kSequences the sequence's.
   const auto len_q = [&] { return packed ? seq_len_q : p.len_q; };
   const auto len_k = [&] { return packed ? seq_len_k : p.len_k; };
   if (!packed) {
@@ -280,10 +282,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
           mma_16816<T>(acc_dq[2 * dp + 1], a, b[2], b[3]);
         }
       }
-      // Ordered dQ (options variant, p.dq_semaphore): the key blocks that see this query block add into it one after
+      // Ordered dQ (sequences variant, p.dq_semaphore): the key blocks that see this query block add into it one after
       // the other, in key-block order, so the sums are the same bits on every run.
       int* semaphore = nullptr;
-      if (kOptions && p.dq_semaphore != nullptr) {
+      if (kSequences && p.dq_semaphore != nullptr) {
         semaphore = p.dq_semaphore + dq_semaphore_index_of<Traits>(p, packed, batch, head, dq_block0 + m_block);
         if (threadIdx.x == 0) {
           const int turn = n_block - first_key_block_of<Traits>(m_start, causal_shift, left);
@@ -343,17 +345,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 }
 
 // Launches the fused backward on `stream` (dq_accum zeroed and delta computed beforehand); never synchronises.
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<HeadDim>;
-  auto kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions>;
+  auto kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions, kSequences>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int64_t blocks = !kOptions || params.cu_seqlens_q == nullptr
+  const int64_t blocks = !kSequences || params.cu_seqlens_q == nullptr
                              ? num_n_blocks * params.heads_kv * params.batch
                              : static_cast<int64_t>(packed_slots(params.len_k, params.batch, Traits::kBlockN)) *
                                    params.heads_kv;

@@ -5,7 +5,8 @@
 // running sum, fp32 output accumulator) of its own 16 * kMTiles query rows in registers. Normalisation is
 // deferred to the end. K/V tiles past the sequence end or head dim are zero-filled by cp.async, so only the
 // blocks that cross the sequence end or the causal diagonal pay for masking. The options variant (kOptions) adds the
-// band of a sliding window (key blocks outside it never loaded, only its edge blocks masked), softcap and sinks.
+// band of a sliding window (key blocks outside it never loaded, only its edge blocks masked), softcap and sinks; the
+// sequences variant (kSequences) adds packed sequences and KV caches to it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,10 +65,11 @@ __device__ __forceinline__ void store_rows(T* gmem, int64_t row_stride, const T*
   }
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     flash_fwd_kernel(const __grid_constant__ FwdParams p) {
   static_assert(!(kCausal && kOptions), "the options variant carries causal in its band");
+  static_assert(kOptions || !kSequences, "per-sequence lengths come with the options variant");
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -82,20 +84,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   T* const sV = sK + Traits::kStages * Traits::kSmemKV;     // [kStages][kBlockN][kStride]
 
   // Block order: query blocks fastest, so CTAs running together share one head's K/V in L2. Causal runs the
-  // longest query blocks (the last ones) first so that the short ones fill the tail of the grid. Packed sequences
-  // (options variant only, so the plain kernels carry none of it): the slots of every sequence (packed.h) fastest,
-  // then heads; the sequence's rows start at row_q / row_k.
-  const bool packed = kOptions && p.cu_seqlens_q != nullptr;
-  int m_block, head, batch, seq_len_q = 0, seq_len_k = 0, row_q = 0, row_k = 0;
-  // The lengths: the params' in the plain variants (read where used), the sequence's in the options variant.
-  const auto len_q = [&] { return packed ? seq_len_q : p.len_q; };
-  const auto len_k = [&] { return packed ? seq_len_k : p.len_k; };
+  // longest query blocks (the last ones) first so that the short ones fill the tail of the grid. The sequences
+  // variant (kSequences; the others carry none of it) also takes packed sequences: the slots of every sequence
+  // (packed.h) fastest, then heads, the sequence's rows starting at row_q / row_k; and a KV cache: each batch entry's
+  // valid keys (FwdParams::seqlens_k), in pages (FwdParams::block_table) or not.
+  const bool packed = kSequences && p.cu_seqlens_q != nullptr;
+  const bool paged = kSequences && p.block_table != nullptr;
+  int m_block, head, batch, seq_len_q = p.len_q, seq_len_k = p.len_k, row_q = 0, row_k = 0;
+  // The lengths: the params' (read where used), or with kSequences the sequence's.
+  const auto len_q = [&] { return kSequences ? seq_len_q : p.len_q; };
+  const auto len_k = [&] { return kSequences ? seq_len_k : p.len_k; };
   if (!packed) {
     const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
     const int m_index = blockIdx.x % num_m_blocks;
     m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
     head = (blockIdx.x / num_m_blocks) % p.heads;
     batch = blockIdx.x / num_m_blocks / p.heads;
+    if (kSequences && p.seqlens_k != nullptr) seq_len_k = min(max(__ldg(p.seqlens_k + batch), 0), p.len_k);
   } else {
     const int num_slots = packed_slots(p.len_q, p.batch, kBlockM);
     const int index = blockIdx.x % num_slots;
@@ -123,10 +128,27 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 
   const T* q_base = static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
                     static_cast<int64_t>(row_q) * p.q_row_stride;
-  const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+  // A paged cache's batch stride is its page stride: its rows are found through the block table instead.
+  const T* k_base = static_cast<const T*>(p.k) + (paged ? 0 : batch) * p.k_batch_stride + kv_head * p.k_head_stride +
                     static_cast<int64_t>(row_k) * p.k_row_stride;
-  const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+  const T* v_base = static_cast<const T*>(p.v) + (paged ? 0 : batch) * p.v_batch_stride + kv_head * p.v_head_stride +
                     static_cast<int64_t>(row_k) * p.v_row_stride;
+  // K and V rows start .. start + kBlockN - 1 (those at n_end and past zero-filled) into a stage.
+  const auto load_kv = [&](int stage, int start) {
+    T* const k_stage = sK + stage * Traits::kSmemKV;
+    T* const v_stage = sV + stage * Traits::kSmemKV;
+    if (paged) {
+      const PagedRows rows{p.block_table + static_cast<int64_t>(batch) * p.block_table_stride, p.page_size,
+                           p.num_pages};
+      load_paged_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_batch_stride, p.k_row_stride, rows, start,
+                                                n_end, p.head_dim);
+      load_paged_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_batch_stride, p.v_row_stride, rows, start,
+                                                n_end, p.head_dim);
+    } else {
+      load_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_row_stride, start, n_end, p.head_dim);
+      load_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_row_stride, start, n_end, p.head_dim);
+    }
+  };
   T* o_base = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride +
               static_cast<int64_t>(row_q) * p.o_row_stride;
   float* lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + row_q;
@@ -135,10 +157,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   // and proves every warp is done with block j - 1, whose stage receives block j + 1 at once. One barrier per
   // block lets warps drift apart, so one warp's softmax runs under another's MMAs.
   load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q(), p.head_dim);
-  if (num_n_blocks > first_n_block) {
-    load_tile_async<T, Traits, kBlockN>(sK, k_base, p.k_row_stride, first_n_block * kBlockN, n_end, p.head_dim);
-    load_tile_async<T, Traits, kBlockN>(sV, v_base, p.v_row_stride, first_n_block * kBlockN, n_end, p.head_dim);
-  }
+  if (num_n_blocks > first_n_block) load_kv(0, first_n_block * kBlockN);
   cp_async_commit();
 
   // Per-thread state. Fragment rows: lane / 4 and lane / 4 + 8 of each m16 tile; columns 2 * (lane % 4) + {0, 1}
@@ -179,13 +198,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 
     cp_async_wait<0>();  // K_j and V_j have landed (this thread's copies)...
     __syncthreads();     // ...and everyone's; stage `stage ^ 1` is free again
-    if (n_block + 1 < num_n_blocks) {
-      const int next_start = n_start + kBlockN;
-      load_tile_async<T, Traits, kBlockN>(sK + (stage ^ 1) * Traits::kSmemKV, k_base, p.k_row_stride, next_start,
-                                          n_end, p.head_dim);
-      load_tile_async<T, Traits, kBlockN>(sV + (stage ^ 1) * Traits::kSmemKV, v_base, p.v_row_stride, next_start,
-                                          n_end, p.head_dim);
-    }
+    if (n_block + 1 < num_n_blocks) load_kv(stage ^ 1, n_start + kBlockN);
     cp_async_commit();
 
     // S = Q · K_jᵀ
@@ -371,17 +384,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 }
 
 // Launches the forward on `stream`; returns the first CUDA error (attribute or launch), never synchronises.
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim>;
-  auto kernel = flash_fwd_kernel<T, Traits, kCausal, kOptions>;
+  auto kernel = flash_fwd_kernel<T, Traits, kCausal, kOptions, kSequences>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t blocks = !kOptions || params.cu_seqlens_q == nullptr
+  const int64_t blocks = !kSequences || params.cu_seqlens_q == nullptr
                              ? num_m_blocks * params.heads * params.batch
                              : static_cast<int64_t>(packed_slots(params.len_q, params.batch, Traits::kBlockM)) *
                                    params.heads;

@@ -1,0 +1,117 @@
+"""Decoding against a KV cache: one query token per sequence (Lq = 1), D128, bf16, side by side in one process.
+
+Usage (from the repository root, on a GPU):
+    python benchmarks/bench_decode.py                    # H32/Hk8 and H32/Hk32, B 1/8/64, Lk 4k/32k/128k
+    python benchmarks/bench_decode.py --batches 8 --lengths 32768 --heads-kv 8
+
+Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
+  plain     flashattn_ext.flash_attn on the whole cache (the dense op)
+  kvcache   flash_attn_with_kvcache over a dense cache, every entry's valid length Lk (cache_seqlens)
+  paged     the same over a paged cache (--page-size rows per page, pages in a random order)
+  cudnn     scaled_dot_product_attention(enable_gqa=True), pinned to cuDNN
+Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time). Points
+whose cache would exceed --max-cache-gib are skipped. A CSV row per point goes to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sdpa import import_flashattn_ext, make_timer, round_order  # noqa: E402
+
+IMPLS = ["plain", "kvcache", "paged", "cudnn"]
+
+
+def callables(fa, batch, heads, heads_kv, length, head_dim, page_size):
+    dtype, device = torch.bfloat16, "cuda"
+    q = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
+    k_cache, v_cache = (torch.randn(batch, heads_kv, length, head_dim, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    fns = {
+        "plain": lambda: fa.flash_attn(q, k_cache, v_cache),
+        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+    }
+    if length % page_size == 0:
+        per_entry = length // page_size
+        order = torch.randperm(batch * per_entry, device=device)
+        block_table = order.view(batch, per_entry).to(torch.int32)
+        pages = [torch.empty(batch * per_entry, heads_kv, page_size, head_dim, dtype=dtype, device=device)
+                 for _ in range(2)]
+        for cache, paged in zip((k_cache, v_cache), pages):
+            paged[order] = cache.view(batch, heads_kv, per_entry, page_size, head_dim).transpose(1, 2).reshape(
+                -1, heads_kv, page_size, head_dim)
+        fns["paged"] = lambda: fa.flash_attn_with_kvcache(q, pages[0], pages[1], cache_seqlens=seqlens,
+                                                          block_table=block_table)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=heads_kv != heads)
+    fns["cudnn"] = cudnn
+    return fns
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--lengths", default="4096,32768,131072")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--heads-kv", default="8,32", help="comma list of kv head counts")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--max-cache-gib", type=float, default=40.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    args = parser.parse_args(argv)
+    import_flashattn_ext()  # the installed package, else the in-place build
+    import flashattn_ext as fa
+
+    timer, _ = make_timer("cuda")
+    rows = []
+    print(f"{'Hk':>3} {'B':>3} {'Lk':>7} " + " ".join(f"{name + ' us':>11} {'TB/s':>5}" for name in IMPLS))
+    for heads_kv in map(int, args.heads_kv.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            for length in map(int, args.lengths.split(",")):
+                cache_bytes = 2 * batch * heads_kv * length * args.head_dim * 2
+                if cache_bytes > args.max_cache_gib * 2**30:
+                    continue
+                fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size)
+                times = {name: [] for name in fns}
+                for name, fn in list(fns.items()):
+                    try:
+                        fn()
+                    except RuntimeError as exc:
+                        print(f"  {name}: {str(exc).splitlines()[0][:100]}")
+                        del fns[name], times[name]
+                for round_index in range(args.rounds):
+                    for name in round_order(list(fns), round_index):
+                        times[name].append(timer(fns[name]))
+                row = dict(heads_kv=heads_kv, batch=batch, length=length)
+                cells = []
+                for name in IMPLS:
+                    if name in times:
+                        ms = statistics.median(times[name])
+                        row[f"{name}_us"], row[f"{name}_tbs"] = round(ms * 1e3, 1), round(cache_bytes / ms / 1e9, 2)
+                        cells.append(f"{ms * 1e3:11.1f} {cache_bytes / ms / 1e9:5.2f}")
+                    else:
+                        cells.append(f"{'-':>11} {'-':>5}")
+                print(f"{heads_kv:3d} {batch:3d} {length:7d} " + " ".join(cells), flush=True)
+                rows.append(row)
+                del fns
+                torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "bench_decode.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({key for row in rows for key in row}, key=str))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
