@@ -85,19 +85,24 @@ def test_forward_against_reference(mods):
                                dense(k[rows_k]), dense(v[rows_k]), **kwargs)
 
 
+def packed_grads_for_random_outputs(q, k, v, cu_q, cu_k, kwargs):
+    """(dq, dk, dv[, dsinks]) of the packed op for random gradients of out and lse, and those (dout, dlse); the
+    sinks in kwargs (if any) become a leaf."""
+    inputs = leaves(q, k, v)
+    if kwargs.get("sinks") is not None:
+        kwargs["sinks"] = kwargs["sinks"].requires_grad_()
+        inputs += (kwargs["sinks"],)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(*inputs[:3], cu_q, cu_k, **kwargs)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    return torch.autograd.grad((out, lse), inputs, (dout, dlse)), dout, dlse
+
+
 @pytest.mark.parametrize("mods", list(MODS))
 def test_grads_match_dense_per_sequence(mods):
     q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, 16, torch.float32)
     kwargs = mods_for(mods, 4)
-    q, k, v = leaves(q, k, v)
-    inputs = (q, k, v)
     sinks = kwargs.get("sinks")
-    if sinks is not None:
-        sinks = kwargs["sinks"] = sinks.requires_grad_()
-        inputs += (sinks,)
-    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    grads, dout, dlse = packed_grads_for_random_outputs(q, k, v, cu_q, cu_k, kwargs)
     dsinks = torch.zeros(4)
     for _, rows_q, rows_k in sequences(cu_q, cu_k):
         if rows_q.stop == rows_q.start:  # no query: its keys' gradients are 0
@@ -231,15 +236,8 @@ def test_cuda_forward_against_reference(dtype, head_dim, mods):
 def test_cuda_grads_against_reference(head_dim, mods):
     q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, head_dim, torch.bfloat16, "cuda", "strided")
     kwargs = mods_for(mods, 4, "cuda")
-    q, k, v = leaves(q, k, v)
-    inputs = (q, k, v)
     sinks = kwargs.get("sinks")
-    if sinks is not None:
-        sinks = kwargs["sinks"] = sinks.requires_grad_()
-        inputs += (sinks,)
-    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    grads = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    grads, dout, dlse = packed_grads_for_random_outputs(q, k, v, cu_q, cu_k, kwargs)
     dsinks = torch.zeros(4, device="cuda")
     for _, rows_q, rows_k in sequences(cu_q, cu_k):
         if rows_q.stop == rows_q.start:  # no query: its keys' gradients are 0
