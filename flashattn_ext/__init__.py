@@ -18,7 +18,8 @@ from .ops import (  # noqa: E402
 
 from .integrations import sdpa as _sdpa  # noqa: E402
 
-# Registers (never activates) the SDPA flash provider: torch.nn.attention.activate_flash_attention_impl("flashattn_ext").
+# Registers (never activates) the SDPA flash provider; users opt in with
+# torch.nn.attention.activate_flash_attention_impl("flashattn_ext").
 _sdpa.register()
 
 __all__ = [

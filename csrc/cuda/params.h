@@ -115,8 +115,8 @@ struct BwdParams {
   int window_left, window_right;
   float softcap;
 
-  // Packed sequences (the sm80 sequences variant), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D]) and
-  // dk, dv (total_k, Hk, D), contiguous.
+  // Packed sequences (the sm80 sequences variant), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D])
+  // and dk, dv (total_k, Hk, D), contiguous.
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
 };

@@ -258,7 +258,8 @@ def test_cuda_dense_cache(len_q, len_new, mods):
     assert torch.equal(seqlens.cpu(), torch.tensor(lengths, dtype=torch.int32)), "cache_seqlens is not changed"
     for b, n in enumerate(lengths):
         if len_new:
-            assert torch.equal(k_cache[b, :, n : n + len_new], k[b]) and torch.equal(v_cache[b, :, n : n + len_new], v[b])
+            assert torch.equal(k_cache[b, :, n : n + len_new], k[b])
+            assert torch.equal(v_cache[b, :, n : n + len_new], v[b])
         keys, values = k_cache[b : b + 1, :, : n + len_new], v_cache[b : b + 1, :, : n + len_new]
         assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, **kwargs)
 
