@@ -28,6 +28,8 @@ training step's attention). fwdbwd also times the backward alone (2.5x the forwa
 one forward) and reports it in the *_bwd_* columns. --deterministic runs everything under
 torch.use_deterministic_algorithms(True) (an SDPA backend without a deterministic backward then shows '-').
 
+--varlen runs benchmarks/bench_varlen.py (packed sequences against torch's varlen_attn) with the other arguments.
+
 --flash-provider NAME activates an SDPA flash provider (such as flashattn_ext itself) for the whole run, so that the
 `flash` column times SDPA's flash backend through it.
 
@@ -846,6 +848,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window", help="L,R: a sliding window (-1: unbounded on that side)")
     parser.add_argument("--softcap", type=float, default=0.0, help="cap the scores: C * tanh(score / C)")
     parser.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
+    parser.add_argument("--varlen", action="store_true",
+                        help="packed sequences against varlen_attn: runs bench_varlen.py with the other arguments")
     parser.add_argument("--flash-provider", metavar="NAME",
                         help="activate this SDPA flash provider for the run (torch.nn.attention."
                              "activate_flash_attention_impl, e.g. flashattn_ext): the flash column then times it")
@@ -896,6 +900,12 @@ def import_flashattn_ext():
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--varlen" in argv:  # packed sequences against varlen_attn: bench_varlen.py takes the other arguments
+        from bench_varlen import main as varlen_main
+
+        varlen_main([a for a in argv if a != "--varlen"])
+        return
     args = parse_args(argv)
     dtypes = name_list(args.dtypes, DTYPES, "--dtypes")
     global MODS

@@ -13,7 +13,8 @@ do_bench median per round, the median of the rounds kept):
   loop        our dense op once per sequence (what a user without varlen writes)
   dense       our dense op on B = tokens // mean length sequences of the mean length (the work without the packing)
 FLOPs are 4 * H * D * sum(Lq_b * Lk_b) per forward, halved for causal; fwdbwd counts 3.5x that. A CSV row per
-implementation goes to --out.
+implementation goes to --out, and a bar chart of the TFLOP/s (PNG, with matplotlib; --no-plot skips it).
+`bench_sdpa.py --varlen` runs this script with the arguments that follow.
 """
 from __future__ import annotations
 
@@ -89,6 +90,27 @@ def flops(lengths, heads, head_dim, causal, mode, impl):
     return total * (3.5 if mode == "fwdbwd" else 1.0)
 
 
+def write_plot(path: Path, rows: list[dict], title: str) -> None:
+    """A bar per implementation: its TFLOP/s, labelled with its ratio to varlen_attn where that ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = next((r["tflops"] for r in rows if r["impl"] == "varlen_attn"), None)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    bars = ax.bar([r["impl"] for r in rows], [r["tflops"] for r in rows],
+                  color=["tab:red" if r["impl"] == "ours" else "tab:gray" for r in rows])
+    if base:
+        ax.bar_label(bars, [f"{r['tflops'] / base:.2f}x" for r in rows])
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -104,6 +126,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = parser.parse_args(argv)
 
     import_flashattn_ext()  # the installed package, else the in-place build
@@ -131,9 +154,10 @@ def main(argv=None):
         for impl in round_order([i for i in impls if i in fns], round_index):
             times[impl].append(timer(fns[impl]))
 
-    print(f"{len(lengths)} sequences, {total} tokens (lengths {min(lengths)}-{max(lengths)}, mean "
-          f"{total / len(lengths):.0f}), H{args.heads}/{heads_kv} D{args.head_dim} {args.dtype} "
-          f"causal {args.causal}, {args.mode}")
+    title = (f"{len(lengths)} sequences, {total} tokens (lengths {min(lengths)}-{max(lengths)}, mean "
+             f"{total / len(lengths):.0f}), H{args.heads}/{heads_kv} D{args.head_dim} {args.dtype} "
+             f"causal {args.causal}, {args.mode}")
+    print(title)
     rows = []
     for impl in impls:
         if impl not in times:
@@ -152,6 +176,11 @@ def main(argv=None):
         writer = csv.DictWriter(f, fieldnames=["impl", "ms", "tflops"])
         writer.writeheader()
         writer.writerows(rows)
+    if not args.no_plot and rows:
+        try:
+            write_plot(path.with_suffix(".png"), rows, title)
+        except ImportError:
+            print("matplotlib is missing: no plot")
 
 
 if __name__ == "__main__":

@@ -97,3 +97,19 @@ def test_fwdbwd_reports_the_backward_alone_and_runs_deterministic(bench, tmp_pat
 def test_rounds_must_be_positive(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--rounds", "0"])
+
+
+def test_varlen_lengths_and_plot(tmp_path):
+    # bench_varlen.py (bench_sdpa.py --varlen): the lengths fill the token budget exactly, the bar chart is written.
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_varlen
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    lengths = bench_varlen.draw_lengths(16384, 100, 4000, 0)
+    assert sum(lengths) == 16384 and all(1 <= n <= 4000 for n in lengths)
+    assert lengths == bench_varlen.draw_lengths(16384, 100, 4000, 0)
+    rows = [dict(impl="ours", ms=1.0, tflops=300.0), dict(impl="varlen_attn", ms=1.2, tflops=250.0)]
+    bench_varlen.write_plot(tmp_path / "varlen.png", rows, "title")
+    assert (tmp_path / "varlen.png").stat().st_size > 0
