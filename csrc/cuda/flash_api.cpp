@@ -529,6 +529,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   at::Tensor dv = at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, v.options());
   at::Tensor dsinks = at::zeros({mods.sinks.has_value() ? vs.heads : 0}, q.options().dtype(at::kFloat));
   if (vs.total_q == 0 || vs.total_k == 0 || vs.heads == 0 || vs.batch == 0) {
+    // No keys anywhere: out is 0 and every row's lse its sink, so only the sinks get a gradient (through dlse).
+    if (mods.sinks.has_value() && vs.total_q > 0 && vs.heads > 0) {
+      at::Tensor delta = at::linalg_vecdot(dout.to(at::kFloat), out.to(at::kFloat)).t();  // (H, total_q)
+      if (dlse.has_value()) delta = delta - *dlse;
+      dsinks = sink_grads(dout, out, lse.unsqueeze(0), std::nullopt, *mods.sinks, delta.unsqueeze(0));
+    }
     return {at::zeros({vs.total_q, vs.heads, vs.head_dim}, q.options()), dk, dv, dsinks};
   }
   const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();

@@ -298,6 +298,20 @@ def test_cuda_bad_cu_seqlens_never_fault():
         assert out.shape == q.shape
 
 
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_no_keys_anywhere_sink_gradient(device, dtype):
+    # Every sequence without keys: out 0, lse the sink, and the sinks' gradient is what flows into lse.
+    q, k, v, cu_q, cu_k = packed_inputs([(3, 0), (5, 0)], 2, 1, 64, dtype, device)
+    q, k, v = leaves(q, k, v)
+    sinks = torch.tensor([0.5, -1.0], device=device, requires_grad=True)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, sinks=sinks)
+    assert (out == 0).all() and torch.equal(lse, sinks.detach()[:, None].expand(2, 8))
+    dlse = torch.randn_like(lse)
+    dq, dsinks = torch.autograd.grad((out, lse), (q, sinks), (torch.randn_like(out), dlse))
+    assert (dq == 0).all()
+    torch.testing.assert_close(dsinks, dlse.sum(-1))
+
+
 @pytest.mark.cuda
 def test_cuda_backward_refuses_what_it_lacks():
     q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 192, torch.bfloat16, "cuda")
