@@ -229,6 +229,7 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
                 " ", bt.sizes());
     TORCH_CHECK(bt.device() == q.device(), op, ": block_table must be on q's device");
     s.num_pages = k_cache.size(0);
+    TORCH_CHECK(s.num_pages > 0, op, ": a paged k_cache must hold at least one page, got shape ", k_cache.sizes());
     s.page_size = k_cache.size(2);
     s.capacity = bt.size(1) * s.page_size;
   } else {

@@ -545,11 +545,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   at::Tensor delta = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::zeros({vs.heads, vs.total_q, vs.head_dim}, q.options().dtype(at::kFloat));
-  // Deterministic: dQ added in key-block order, a semaphore per query block of each head (packed.h's slots).
-  const at::Tensor dq_semaphore =
-      deterministic ? at::zeros({vs.heads, vs.total_q / sm80::kBwdBlockM + vs.batch},
-                                q.options().dtype(at::kInt))
-                    : at::Tensor();
+  // Deterministic: dQ added in key-block order, a semaphore per query block of each head (packed.h's slots), then a
+  // flag the kernel reads: cu_seqlens that break their rules (computed on the device, no synchronisation).
+  const int64_t num_semaphores = vs.heads * (vs.total_q / sm80::kBwdBlockM + vs.batch);
+  at::Tensor dq_semaphore;
+  if (deterministic) {
+    dq_semaphore = at::zeros({num_semaphores + 1}, q.options().dtype(at::kInt));
+    const auto broken = [](const at::Tensor& cu, int64_t total) {
+      return cu.select(0, 0).ne(0).logical_or(cu.select(0, -1).ne(total)).logical_or(at::diff(cu).lt(0).any());
+    };
+    dq_semaphore.narrow(0, num_semaphores, 1)
+        .copy_(broken(cu_q, vs.total_q).logical_or(broken(cu_k, vs.total_k)).to(at::kInt).view({1}));
+  }
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 

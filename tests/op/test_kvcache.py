@@ -184,8 +184,10 @@ def test_opcheck():
         (dict(v=None), "k and v must be given together"),
         (dict(block_table=torch.zeros(3, 2, dtype=torch.int64)), "block_table must be int32"),
         (dict(k=torch.randn(B, HK, 1, 8)), r"k must have shape \(B, Hk, Lnew, D\)"),
+        (dict(k_cache=torch.randn(0, HK, 16, D), v_cache=torch.randn(0, HK, 16, D),
+              block_table=torch.zeros(B, 1, dtype=torch.int32)), "must hold at least one page"),
     ],
-    ids=["overflow", "seqlens-shape", "k-alone", "table-dtype", "k-shape"],
+    ids=["overflow", "seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages"],
 )
 def test_bad_arguments(change, message):
     k_cache, v_cache = dense_cache()

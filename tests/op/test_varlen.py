@@ -298,6 +298,20 @@ def test_cuda_bad_cu_seqlens_never_fault():
         assert out.shape == q.shape
 
 
+@pytest.mark.cuda
+def test_cuda_bad_cu_seqlens_never_hang_the_ordered_backward(deterministic_algorithms):
+    # The ordered dQ waits for each key block's turn; cu_seqlens that break the rules could leave a turn unreached,
+    # so such calls add dQ unordered (the host flags them on the device) instead of waiting forever.
+    q, k, v, _, _ = packed_inputs([(128, 400)], 2, 2, 64, torch.bfloat16, "cuda")
+    for bad_k in ([64, 128], [0, 300, 100, 400], [0, 300, 100]):  # not from 0, decreasing, not ending at 400
+        cu_k = torch.tensor(bad_k, dtype=torch.int32, device="cuda")
+        cu_q = torch.linspace(0, 128, len(bad_k)).to(torch.int32).cuda()
+        out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
+        grads = bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, deterministic=True)
+        torch.cuda.synchronize()
+        assert grads[0].shape == q.shape
+
+
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
 def test_no_keys_anywhere_sink_gradient(device, dtype):
     # Every sequence without keys: out 0, lse the sink, and the sinks' gradient is what flows into lse.

@@ -103,11 +103,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
     kv_head = blockIdx.x / num_slots;
     const PackedBlock b = find_packed_block(p.cu_seqlens_k, p.len_k, p.cu_seqlens_q, p.len_q, p.batch, kBlockN,
                                             blockIdx.x % num_slots);
-    if (b.block * kBlockN >= b.len) return;  // an idle slot
+    if (b.block < 0 || b.block * kBlockN >= b.len) return;  // an idle slot (or cu_seqlens that break their rules)
     batch = 0, n_block = b.block, seq_len_k = b.len, seq_len_q = b.other_len, row_k = b.row, row_q = b.other_row;
     dq_block0 = row_q / kBlockM + b.batch;  // the query side's packed slots (packed.h)
   }
   const int n_start = n_block * kBlockN;
+  // Packed cu_seqlens that break their rules can leave a key block's turn unreached: the host flags them (the int
+  // after the semaphores), and such calls add dQ unordered rather than wait.
+  const bool ordered_dq = kSequences && p.dq_semaphore != nullptr &&
+                          !(packed && __ldg(p.dq_semaphore + static_cast<int64_t>(p.heads) *
+                                                                 packed_slots(p.len_q, p.batch, kBlockM)) != 0);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int causal_shift = len_k() - len_q();  // query i sees keys j <= i + causal_shift
@@ -285,7 +290,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
       // Ordered dQ (sequences variant, p.dq_semaphore): the key blocks that see this query block add into it one after
       // the other, in key-block order, so the sums are the same bits on every run.
       int* semaphore = nullptr;
-      if (kSequences && p.dq_semaphore != nullptr) {
+      if (ordered_dq) {
         semaphore = p.dq_semaphore + dq_semaphore_index_of<Traits>(p, packed, batch, head, dq_block0 + m_block);
         if (threadIdx.x == 0) {
           const int turn = n_block - first_key_block_of<Traits>(m_start, causal_shift, left);

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     head = blockIdx.x / num_slots;
     const PackedBlock b = find_packed_block(p.cu_seqlens_q, p.len_q, p.cu_seqlens_k, p.len_k, p.batch, kBlockM,
                                             index);
-    if (b.block * kBlockM >= b.len) return;  // an idle slot
+    if (b.block < 0 || b.block * kBlockM >= b.len) return;  // an idle slot (or cu_seqlens that break their rules)
     batch = 0, m_block = b.block, seq_len_q = b.len, seq_len_k = b.other_len, row_q = b.row, row_k = b.other_row;
   }
   const int kv_head = head / p.heads_per_kv;
