@@ -38,6 +38,14 @@ int head_dim_bucket(int64_t head_dim) {
   return 0;
 }
 
+// The bucket of head_dim, which this build must hold (a forward needs its kernels).
+int built_bucket(int64_t head_dim, const char* op) {
+  const int bucket = head_dim_bucket(head_dim);
+  TORCH_CHECK(head_dim_bucket_built(bucket), op, ": head dim ", head_dim, " needs bucket ", bucket,
+              ", which this build left out (FLASHATTN_HEADDIMS at build time)");
+  return bucket;
+}
+
 // cp.async and TMA move 16-byte chunks: every row must start on a 16-byte boundary. Returns the first rule `t`
 // breaks, worded to follow the tensor's name in an error message; empty if it breaks none.
 std::string row_alignment_violation(const at::Tensor& t) {
@@ -200,9 +208,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   check_cuda_inputs("flashattn.fwd", q, k, v, s);
   const double softmax_scale = resolve_scale(scale, s.head_dim);
   const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks);
-  const int bucket = head_dim_bucket(s.head_dim);
-  TORCH_CHECK(head_dim_bucket_built(bucket), "flashattn.fwd: head dim ", s.head_dim, " needs bucket ", bucket,
-              ", which this build left out (FLASHATTN_HEADDIMS at build time)");
+  const int bucket = built_bucket(s.head_dim, "flashattn.fwd");
   const Switches& sw = switches();
 
   const c10::cuda::CUDAGuard device_guard(q.device());
@@ -474,9 +480,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   // Bounds are checked against the totals: one that covers every packed key covers every sequence's.
   const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
   const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
-  const int bucket = head_dim_bucket(vs.head_dim);
-  TORCH_CHECK(head_dim_bucket_built(bucket), op, ": head dim ", vs.head_dim, " needs bucket ", bucket,
-              ", which this build left out (FLASHATTN_HEADDIMS at build time)");
+  const int bucket = built_bucket(vs.head_dim, op);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
@@ -529,11 +533,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   at::Tensor dv = at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, v.options());
   at::Tensor dsinks = at::zeros({mods.sinks.has_value() ? vs.heads : 0}, q.options().dtype(at::kFloat));
   if (vs.total_q == 0 || vs.total_k == 0 || vs.heads == 0 || vs.batch == 0) {
-    // No keys anywhere: out is 0 and every row's lse its sink, so only the sinks get a gradient (through dlse).
+    // No keys anywhere: out is 0 and every row's lse its sink, so only the sinks get a gradient (through dlse). The
+    // (total, H) rows seen as one dense (1, H, total) batch.
     if (mods.sinks.has_value() && vs.total_q > 0 && vs.heads > 0) {
-      at::Tensor delta = at::linalg_vecdot(dout.to(at::kFloat), out.to(at::kFloat)).t();  // (H, total_q)
-      if (dlse.has_value()) delta = delta - *dlse;
-      dsinks = sink_grads(dout, out, lse.unsqueeze(0), std::nullopt, *mods.sinks, delta.unsqueeze(0));
+      const auto dense = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+      const std::optional<at::Tensor> dlse_dense =
+          dlse.has_value() ? std::optional<at::Tensor>(dlse->unsqueeze(0)) : std::nullopt;
+      dsinks = sink_grads(dense(dout), dense(out), lse.unsqueeze(0), dlse_dense, *mods.sinks, at::Tensor());
     }
     return {at::zeros({vs.total_q, vs.heads, vs.head_dim}, q.options()), dk, dv, dsinks};
   }
@@ -618,9 +624,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   check_cuda_inputs(op, q, k_cache, v_cache, s);
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
   const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
-  const int bucket = head_dim_bucket(ks.head_dim);
-  TORCH_CHECK(head_dim_bucket_built(bucket), op, ": head dim ", ks.head_dim, " needs bucket ", bucket,
-              ", which this build left out (FLASHATTN_HEADDIMS at build time)");
+  const int bucket = built_bucket(ks.head_dim, op);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   if (ks.len_new > 0 && ks.capacity > 0) {  // the append: cache position p of entry b, for p from its valid length
