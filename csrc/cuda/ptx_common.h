@@ -14,6 +14,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// `raw` moved up to the next multiple of kAlign bytes of the shared window by pointer arithmetic, so that the compiler
+// still sees shared memory behind it (after an integer round trip every access through it is a generic LD/ST).
+template <int kAlign>
+__device__ __forceinline__ unsigned char* align_smem(unsigned char* raw) {
+  return raw + (kAlign - smem_addr(raw) % kAlign) % kAlign;
+}
+
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives it.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

@@ -78,7 +78,7 @@ struct BwdSplitSharedStorage {
   uint64_t* do_empty;
 
   __device__ explicit BwdSplitSharedStorage(unsigned char* raw) {
-    k = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    k = reinterpret_cast<T*>(align_smem<1024>(raw));
     v = k + Traits::kTileKV;
     q = v + Traits::kTileKV;
     dout = q + Traits::kStages * Traits::kTileQ;
