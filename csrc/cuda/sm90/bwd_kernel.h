@@ -97,7 +97,7 @@ struct BwdSharedStorage {
   uint64_t* do_empty;
 
   __device__ explicit BwdSharedStorage(unsigned char* raw) {
-    dq = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    dq = reinterpret_cast<float*>(align_smem<1024>(raw));
     k = reinterpret_cast<T*>(dq + 2 * Traits::kTileDQ);
     v = k + Traits::kTileKV;
     q = v + Traits::kTileKV;
@@ -129,18 +129,24 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
 }
 
 // The accumulator of a 64x64 fp32 tile into two [64 rows][32 columns] boxes in the 128-byte swizzle (16-byte chunk c
-// of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores. A half-warp's rows r and r ^ 1 hit
-// the same two chunks, so a store takes 4 wavefronts instead of 2 (ncu; a per-lane chunk order would fix it).
+// of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores. A half-warp's rows have r % 8 in
+// 0..3 or 4..7; were every lane to store the same columns at once, rows r and r ^ 1 would hit the same two chunks
+// (4 wavefronts a store instead of 2), so lanes of odd rows store column group j ^ 2 while the others store j.
 __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[32], float factor, int warp,
                                                          int lane) {
+  const int odd = (lane / 4) % 2;
+  // The chunk this lane writes at step j: 2 (j % 4) ^ chunk_xor (the swap flips bit 2, the row's swizzle bits 0-2).
+  const int chunk_xor = ((lane % 4) / 2) ^ (4 * odd) ^ (lane / 4);
+  float* const row_base = tile + (16 * warp + lane / 4) * 32 + 2 * (lane % 2);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
+    const int jj = j ^ 2;  // odd rows' column group at step j
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = 16 * warp + lane / 4 + 8 * h;
-      const int col = 8 * (j % 4) + 2 * (lane % 4);  // inside box j / 4
-      float* const dst = tile + (j / 4) * 64 * 32 + row * 32 + ((col / 4) ^ (row % 8)) * 4 + col % 4;
-      *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * j + 2 * h] * factor, acc[4 * j + 2 * h + 1] * factor);
+      const float x = odd ? acc[4 * jj + 2 * h] : acc[4 * j + 2 * h];
+      const float y = odd ? acc[4 * jj + 2 * h + 1] : acc[4 * j + 2 * h + 1];
+      float* const dst = row_base + (j / 4) * 64 * 32 + 8 * h * 32 + ((2 * (j % 4)) ^ chunk_xor) * 4;
+      *reinterpret_cast<float2*>(dst) = make_float2(x * factor, y * factor);
     }
   }
 }
@@ -341,19 +347,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
       wgmma_wait<1>();
       wgmma_fence_registers(s);
-      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-                              (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          const int key = key0 + 8 * (i / 2);
-          const int query = m_start + col;
-          const bool masked =
-              needs_mask && (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift));
-          const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
-          s[4 * j + i] = masked ? 0.f : x;
+          s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
+        }
+      }
+      // Only blocks at an edge mask: a branch, so that interior blocks skip the per-element tests.
+      if (m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+          (kCausal && n_start + kBlockN - 1 > m_start + causal_shift)) {
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int key = key0 + 8 * (i / 2);
+            const int query = m_start + 8 * j + 2 * (lane % 4) + i % 2;
+            if (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift)) s[4 * j + i] = 0.f;
+          }
         }
       }
 
@@ -377,14 +389,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
     fence_proxy_async_smem();
 
-    // dV += P^T dO and dK += dS^T Q, one group.
+    // dV += P^T dO now; dK += dS^T Q after dQ, so that dQ's trip to shared memory below runs under the dK GEMM.
     wgmma_fence_registers(dv);
     wgmma_fence_registers(dk);
     wgmma_fence_registers(p_frag);
     wgmma_fence_registers(ds_frag);
     wgmma_fence();
     issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
-    issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
     wgmma_commit();
 
     // The next step's lse/delta go to the other buffer (its last readers, step n - 1, passed the barrier below a
@@ -404,20 +415,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Wgmma<T, 64>::template ss<true, true>(dq, smem_desc_sw128(ds), smem_desc_sw128(k), kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<1>();  // dV, dK done: Q and dO of the stage are free
+    issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ done: dO of the stage is free
     wgmma_fence_registers(dv);
-    wgmma_fence_registers(dk);
-    wgmma_fence_registers(p_frag);  // read by the dV/dK wgmmas until here
-    wgmma_fence_registers(ds_frag);
-    mbarrier_arrive(&smem.q_empty[stage]);
-    mbarrier_arrive(&smem.do_empty[stage]);
-    wgmma_wait<0>();
+    wgmma_fence_registers(p_frag);
     wgmma_fence_registers(dq);
+    mbarrier_arrive(&smem.do_empty[stage]);
 
     named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
     store_swizzled_fp32_tile(dq_tile, dq, p.scale, warp, lane);
     fence_proxy_async_smem();
     named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
+
+    wgmma_wait<0>();  // dK done: Q of the stage is free
+    wgmma_fence_registers(dk);
+    wgmma_fence_registers(ds_frag);
+    mbarrier_arrive(&smem.q_empty[stage]);
   }
 
   store_dk_dv<T, kHeadDim>(p, block, key0, 0, lane, dk, dv);
