@@ -295,12 +295,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
                               (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                               (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+      // Entries outside the band; only blocks at an edge test them (without softcap in a branch of its own, which
+      // interior blocks skip; with it the branch's extra live registers spill at D64).
       const auto masked = [&](int col, int i) {
         const int key = key0 + 8 * (i / 2);
         const int query = m_start + col;
-        return needs_mask && (query >= p.len_q || key >= p.len_k ||
-                              (right >= 0 && key > query + causal_shift + right) ||
-                              (left >= 0 && key < query + causal_shift - left));
+        return query >= p.len_q || key >= p.len_k || (right >= 0 && key > query + causal_shift + right) ||
+               (left >= 0 && key < query + causal_shift - left);
       };
       if (p.softcap > 0.f) {  // S^T and dP^T both, then P^T and dS^T in one pass
         wgmma_wait<0>();
@@ -313,7 +314,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           for (int i = 0; i < 4; ++i) {
             const int col = 8 * j + 2 * (lane % 4) + i % 2;
             const float t = tanh_exp2(s[4 * j + i] * cap_scale);
-            const float x = masked(col, i) ? 0.f : fast_exp2(fmaf(t, cap_log2, -lse_log2[col]));
+            const float x = needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(t, cap_log2, -lse_log2[col]));
             s[4 * j + i] = x;
             dp[4 * j + i] = x * (dp[4 * j + i] - delta[col]) * (1.f - t * t);  // dS^T
           }
@@ -327,8 +328,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            const float x = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
-            s[4 * j + i] = masked(col, i) ? 0.f : x;
+            s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
+          }
+        }
+        if (needs_mask) {
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              if (masked(8 * j + 2 * (lane % 4) + i % 2, i)) s[4 * j + i] = 0.f;
+            }
           }
         }
 

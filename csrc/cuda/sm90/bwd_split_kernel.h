@@ -185,19 +185,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
-      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-                              (kCausal && n_start + kBlockN - 1 > m_start + causal_shift);
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          const int key = key0 + 8 * (i / 2);
-          const int query = m_start + col;
-          const bool masked = needs_mask && (query >= p.len_q || key >= p.len_k ||
-                                             (kCausal && key > query + causal_shift));
-          const float x = fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
-          acc[4 * j + i] = masked ? 0.f : x;
+          acc[4 * j + i] = fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
+        }
+      }
+      // Only blocks at an edge mask: a branch, so that interior blocks skip the per-element tests.
+      if (m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+          (kCausal && n_start + kBlockN - 1 > m_start + causal_shift)) {
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int key = key0 + 8 * (i / 2);
+            const int query = m_start + 8 * j + 2 * (lane % 4) + i % 2;
+            if (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift)) acc[4 * j + i] = 0.f;
+          }
         }
       }
       store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
