@@ -139,10 +139,16 @@ class Config:
     seqlen: int
     batch: int
     heads: int
+    heads_kv: int = 0  # K/V heads (GQA); 0: as many as query heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads_kv or self.heads
 
     @property
     def label(self) -> str:
-        return f"{self.dtype} D={self.head_dim} L={self.seqlen} causal={'on' if self.causal else 'off'}"
+        gqa = f" Hk={self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"{self.dtype} D={self.head_dim} L={self.seqlen}{gqa} causal={'on' if self.causal else 'off'}"
 
     def forward_flops(self, mods: Optional[ScoreMods] = None) -> float:
         """4 B H D times the visible pairs: L^2 (halved for causal), or the band's of `mods` (default: the run's)."""
@@ -158,10 +164,11 @@ class Config:
 
 
 def build_grid(dtypes: List[str], head_dims: List[int], lengths: List[int], causals: List[bool], tokens: int,
-               hidden: int) -> List[Config]:
-    """B = tokens // L and H = hidden // D (at least 1 each), so every row does comparable work."""
+               hidden: int, kv_heads: int = 0) -> List[Config]:
+    """B = tokens // L and H = hidden // D (at least 1 each), so every row does comparable work; kv_heads K/V heads
+    (0: H)."""
     return [
-        Config(dtype, d, causal, seqlen, max(1, tokens // seqlen), max(1, hidden // d))
+        Config(dtype, d, causal, seqlen, max(1, tokens // seqlen), max(1, hidden // d), kv_heads)
         for dtype in dtypes
         for d in head_dims
         for causal in causals
@@ -172,6 +179,8 @@ def build_grid(dtypes: List[str], head_dims: List[int], lengths: List[int], caus
 # ------------------------------------------------------------------------------------------------ what is timed
 def naive_attention(q, k, v, causal: bool):
     """softmax(scale * Q K^T) V in the input dtype with the full score matrix in memory."""
+    if k.shape[1] != q.shape[1]:  # GQA: each K/V head serves q.shape[1] // k.shape[1] query heads
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)).mul_(q.shape[-1] ** -0.5)
     if causal:
         len_q, len_k = scores.shape[-2:]
@@ -252,9 +261,10 @@ def forward_callable(impl: str, q, k, v, causal: bool) -> Callable[[], torch.Ten
 
     def sdpa():
         with sdpa_kernel(backend):
+            gqa = q.shape[1] != k.shape[1]
             if mask is not None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     return sdpa
 
@@ -510,8 +520,9 @@ def check_correctness(row: Row, q, k, v, math_budget_bytes: float) -> None:
 
 def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
     shape = (config.batch, config.heads, config.seqlen, config.head_dim)
+    kv_shape = (config.batch, config.kv_heads, config.seqlen, config.head_dim)
     options = dict(dtype=DTYPES[config.dtype], device=args.device)
-    q, k, v = (torch.randn(shape, **options) for _ in range(3))
+    q, k, v = (torch.randn(s, **options) for s in (shape, kv_shape, kv_shape))
     budget = args.naive_mem_gib * 2**30
     row = Row(config)
     check_correctness(row, q, k, v, budget)
@@ -583,7 +594,7 @@ def row_record(row: Row, impls: List[str], backends: List[str], with_bwd: bool =
     c = row.config
     best = row.best_sdpa(backends)
     record = dict(dtype=c.dtype, head_dim=c.head_dim, causal=c.causal, seqlen=c.seqlen, batch=c.batch,
-                  heads=c.heads, gflop=round(c.forward_flops() / 1e9, 3))
+                  heads=c.heads, heads_kv=c.kv_heads, gflop=round(c.forward_flops() / 1e9, 3))
     for impl in impls:
         result = row.results[impl]
         record[f"{impl}_ms"] = significant(result.ms)
@@ -629,7 +640,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         git_commit=git_commit(),
         dtypes=args.dtypes, mode=args.mode, deterministic=args.deterministic, timer=timer_name, rounds=args.rounds,
         naive_mem_gib=args.naive_mem_gib, score_mods=MODS.label,
-        tokens=args.tokens, hidden=args.hidden, flash_provider=args.flash_provider,
+        tokens=args.tokens, hidden=args.hidden, kv_heads=args.kv_heads, flash_provider=args.flash_provider,
     )
 
 
@@ -727,7 +738,8 @@ def table_columns(backends: List[str], impls: List[str], with_bwd: bool = False
         ("causal", lambda r: "on" if r.config.causal else "off"),
         ("L", lambda r: str(r.config.seqlen)),
         ("B", lambda r: str(r.config.batch)),
-        ("H", lambda r: str(r.config.heads)),
+        ("H", lambda r: f"{r.config.heads}/{r.config.kv_heads}" if r.config.kv_heads != r.config.heads
+         else str(r.config.heads)),
         ("ours ms", lambda r: fmt(r.results["ours"].ms, ".3f")),
     ]
     for impl in impls:
@@ -828,6 +840,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lengths", help="comma list of sequence lengths L (Lq == Lk)")
     parser.add_argument("--tokens", type=int, help="B*L per configuration (B = tokens // L, at least 1)")
     parser.add_argument("--hidden", type=int, help="H*D per configuration (H = hidden // D, at least 1)")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="K/V heads (GQA: each serves H / kv-heads query heads; SDPA with enable_gqa); default H")
     parser.add_argument("--causal", choices=["both", "on", "off"], default="both", help="causal masking")
     parser.add_argument("--backends", help=f"comma list of SDPA backends from {', '.join(SDPA_BACKENDS)}, or the "
                                            f"peers {', '.join(PEERS)} (default with score modifications)")
@@ -917,7 +931,10 @@ def main(argv=None) -> None:
     impls = ["ours", *backends] + ([] if MODS.active else ["naive"])
     causals = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     configs = build_grid(dtypes, int_list(args.head_dims), int_list(args.lengths), causals, args.tokens,
-                         args.hidden)
+                         args.hidden, args.kv_heads)
+    for c in configs:
+        if c.heads % c.kv_heads:
+            raise SystemExit(f"--kv-heads {args.kv_heads} must divide H = {c.heads} (D = {c.head_dim})")
     timer, timer_name = make_timer(args.device)
     meta = metadata(args, timer_name)
     variant = "GPU" if args.device == "cuda" else "CPU variant (no GPU in use: small fp32 sizes by default)"

@@ -94,6 +94,20 @@ def test_fwdbwd_reports_the_backward_alone_and_runs_deterministic(bench, tmp_pat
     assert meta["deterministic"] is True and meta["mode"] == "fwdbwd"
 
 
+def test_kv_heads_run_gqa_rows_against_sdpa(bench, tmp_path):
+    # --kv-heads: K/V with fewer heads (SDPA with enable_gqa, the naive path repeats them); a K/V head count that does
+    # not divide H is refused.
+    bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--causal", "on", "--backends", "math",
+                "--tokens", "128", "--hidden", "128", "--kv-heads", "2", "--rounds", "1", "--no-plot",
+                "--out", str(tmp_path)])
+    rows = list(csv.DictReader((tmp_path / "bench_sdpa_cpu_fwd.csv").open()))
+    assert (rows[0]["heads"], rows[0]["heads_kv"]) == ("4", "2")
+    assert float(rows[0]["math_ms"]) > 0 and float(rows[0]["naive_ms"]) > 0 and rows[0]["diff_ok"] == "True"
+    with pytest.raises(SystemExit, match="kv-heads"):
+        bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--hidden", "128", "--kv-heads", "3",
+                    "--no-plot", "--out", str(tmp_path)])
+
+
 def test_rounds_must_be_positive(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--rounds", "0"])
