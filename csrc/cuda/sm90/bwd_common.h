@@ -89,6 +89,35 @@ struct KeyBlock {
   }
 };
 
+// P^T = exp2(S^T * scale_log2 - lse_log2) for this thread's two keys (key0, key0 + 8) and the step's kBlockM queries
+// (lse_log2 by query column), then 0 for queries past Lq, keys past Lk and (causal) key > query + causal_shift; only
+// blocks at an edge test them, in a branch that interior blocks skip.
+template <bool kCausal, int kBlockM, int kBlockN>
+__device__ __forceinline__ void masked_probabilities(float (&s)[kBlockM / 2], const float* lse_log2, float scale_log2,
+                                                     int len_q, int len_k, int m_start, int n_start, int causal_shift,
+                                                     int key0, int lane) {
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int col = 8 * j + 2 * (lane % 4) + i % 2;
+      s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], scale_log2, -lse_log2[col]));
+    }
+  }
+  if (m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
+      (kCausal && n_start + kBlockN - 1 > m_start + causal_shift)) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key0 + 8 * (i / 2);
+        const int query = m_start + 8 * j + 2 * (lane % 4) + i % 2;
+        if (query >= len_q || key >= len_k || (kCausal && key > query + causal_shift)) s[4 * j + i] = 0.f;
+      }
+    }
+  }
+}
+
 // lse and delta of one query row, loaded a step ahead of their use, with the sm80 kernel's rule for rows that
 // contribute nothing (past Lq, or lse = -inf: they see no key): +inf in the exponent, so exp2(x - inf) = 0, and
 // delta 0, so that a non-finite dlse there cannot turn 0 * inf into NaN.

@@ -185,27 +185,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          acc[4 * j + i] = fast_exp2(fmaf(acc[4 * j + i], p.scale_log2, -smem.lse_log2[col]));
-        }
-      }
-      // Only blocks at an edge mask: a branch, so that interior blocks skip the per-element tests.
-      if (m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
-          (kCausal && n_start + kBlockN - 1 > m_start + causal_shift)) {
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int key = key0 + 8 * (i / 2);
-            const int query = m_start + 8 * j + 2 * (lane % 4) + i % 2;
-            if (query >= p.len_q || key >= p.len_k || (kCausal && key > query + causal_shift)) acc[4 * j + i] = 0.f;
-          }
-        }
-      }
+      masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, p.len_q, p.len_k, m_start,
+                                                      n_start, causal_shift, key0, lane);
       store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
 #pragma unroll
       for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
