@@ -94,6 +94,17 @@ def test_dense_cache(dtype, len_q, len_new, mods):
             assert torch.equal(v_cache[b, :, n : n + len_new], v[b])
 
 
+def assert_paged_matches_dense(q, caches, pages, block_table, k, v, seqlens, page_size, **kwargs):
+    """The paged cache gives the dense cache's output bit for bit, and the appended rows landed in the right pages."""
+    dense_out = flashattn_ext.flash_attn_with_kvcache(q, *caches, k, v, seqlens, **kwargs)
+    paged_out = flashattn_ext.flash_attn_with_kvcache(q, *pages, k, v, seqlens, block_table, **kwargs)
+    assert torch.equal(paged_out, dense_out)
+    for b, n in enumerate(seqlens.tolist()):
+        for t in range(k.shape[2]):
+            page, offset = int(block_table[b, (n + t) // page_size]), (n + t) % page_size
+            assert torch.equal(pages[0][page, :, offset], k[b, :, t])
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 96])
 @pytest.mark.parametrize("mods", ["causal", "softcap-sinks"])
 def test_paged_cache_matches_dense(page_size, mods):
@@ -103,14 +114,8 @@ def test_paged_cache_matches_dense(page_size, mods):
     q = torch.randn(B, H, 2, D)
     k, v = torch.randn(B, HK, len_new, D), torch.randn(B, HK, len_new, D)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    kwargs = mods_for(mods)
-    dense_out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, **kwargs)
-    paged_out = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, **kwargs)
-    assert torch.equal(paged_out, dense_out)
-    for b, n in enumerate(lengths):  # the appended rows landed in the right pages
-        for t in range(len_new):
-            page, offset = block_table[b, (n + t) // page_size], (n + t) % page_size
-            assert torch.equal(k_pages[page, :, offset], k[b, :, t])
+    assert_paged_matches_dense(q, (k_cache, v_cache), (k_pages, v_pages), block_table, k, v, seqlens, page_size,
+                               **mods_for(mods))
 
 
 def test_paged_cache_in_token_major_layout():
@@ -276,14 +281,8 @@ def test_cuda_paged_cache_matches_dense(page_size, mods):
     q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    kwargs = cuda_mods(mods)
-    dense_out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, **kwargs)
-    paged_out = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, **kwargs)
-    assert torch.equal(paged_out, dense_out)
-    for b, n in enumerate(lengths):  # the appended rows landed in the right pages
-        for t in range(len_new):
-            page, offset = int(block_table[b, (n + t) // page_size]), (n + t) % page_size
-            assert torch.equal(k_pages[page, :, offset], k[b, :, t])
+    assert_paged_matches_dense(q, (k_cache, v_cache), (k_pages, v_pages), block_table, k, v, seqlens, page_size,
+                               **cuda_mods(mods))
 
 
 @pytest.mark.cuda
