@@ -217,12 +217,13 @@ __device__ __forceinline__ void issue_rows_times_block(float (&acc)[Traits::kBlo
                                                        const T* block) {
   wgmma_fence_registers(acc);
   wgmma_fence();
+  const uint64_t a_desc = smem_desc_sw128(key_rows), b_desc = smem_desc_sw128(block);
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const int c = kk / 4, k_in_row = (kk % 4) * 16;
     Wgmma<T, Traits::kBlockM>::template ss<false>(
-        acc, smem_desc_sw128(key_rows + c * Traits::kSubTileKV + k_in_row),
-        smem_desc_sw128(block + c * Traits::kSubTileQ + k_in_row), kk > 0);
+        acc, desc_advance(a_desc, (c * Traits::kSubTileKV + k_in_row) * sizeof(T)),
+        desc_advance(b_desc, (c * Traits::kSubTileQ + k_in_row) * sizeof(T)), kk > 0);
   }
   wgmma_commit();
 }

@@ -121,10 +121,10 @@ struct BwdSharedStorage {
 template <typename T, typename Traits>
 __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits::kHeadDim / 2],
                                                              uint32_t (&a)[Traits::kBlockM / 16][4], const T* block) {
+  const uint64_t desc = smem_desc_sw128(block, Traits::kSubTileQ * sizeof(T));
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
-    Wgmma<T, Traits::kHeadDim>::template rs<true>(
-        acc, a[kk], smem_desc_sw128(block + kk * 16 * 64, Traits::kSubTileQ * sizeof(T)), true);
+    Wgmma<T, Traits::kHeadDim>::template rs<true>(acc, a[kk], desc_advance(desc, kk * 16 * 64 * sizeof(T)), true);
   }
 }
 
@@ -398,11 +398,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     float dq[32];
     wgmma_fence_registers(dq);
     wgmma_fence();
+    const uint64_t ds_desc = smem_desc_sw128(smem.ds_tile(buffer, 0) + dq_query_block * 64 * 64);
+    const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const T* const ds = smem.ds_tile(buffer, kk / 4) + dq_query_block * 64 * 64 + (kk % 4) * 16 * 64;
-      const T* const k = smem.k + dq_column_block * Traits::kSubTileKV + kk * 16 * 64;
-      Wgmma<T, 64>::template ss<true, true>(dq, smem_desc_sw128(ds), smem_desc_sw128(k), kk > 0);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {  // consumer kk / 4's dS^T tile, 16 keys of it
+      const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
+      Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)),
+                                            desc_advance(k_desc, kk * 16 * 64 * sizeof(T)), kk > 0);
     }
     wgmma_commit();
     issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
