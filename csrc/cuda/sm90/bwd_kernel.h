@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   init_bwd_barriers<Traits>(smem);
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
+  // Warp-uniform (a shuffle from lane 0), so that the tile addresses derived from it live in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
