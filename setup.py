@@ -91,7 +91,8 @@ def make_extension():
             wanted = int(m.group(1)) in dims
         if wanted:
             sources.append(str(path.relative_to(ROOT)))
-    sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/sm80/bwd_delta.cu"]
+    sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/bwd_preprocess.cu",
+                "csrc/cuda/bwd_postprocess.cu"]
 
     # Read by the dispatch in flash_api.cpp (host compiler only: nvcc would split the value at its commas).
     built_headdims = f"-DFLASHATTN_BUILT_HEADDIMS={','.join(map(str, dims))}"

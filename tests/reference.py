@@ -363,6 +363,14 @@ def steer_scores(q, k, profile, scale):
     return q, k
 
 
+def free_nan_blocks(numel: int, count: int = 8) -> None:
+    """Leaves `count` freed float32 blocks of `numel` elements, NaN-filled, in the CUDA caching allocator, so that the
+    next allocations of that size (a kernel's workspace) start dirty; checks that one is handed back."""
+    blocks = [torch.full((numel,), float("nan"), device="cuda") for _ in range(count)]
+    del blocks
+    assert torch.empty(numel, device="cuda").isnan().all(), "the caching allocator kept the NaN blocks"
+
+
 def op_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
     """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd, random grads."""
     out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)

@@ -331,6 +331,39 @@ at::Tensor sink_grads(const at::Tensor& dout, const at::Tensor& out, const at::T
   return (sink_prob * delta).sum(at::IntArrayRef{0, 2}).neg_();
 }
 
+// delta = rowsum(dO * O) - dlse and dq_accum zeroed, in one pass: dout and out as (B, H, L, D) views (rows 16-byte
+// aligned), dlse and delta (B, H, L) and dq_accum (B, H, L, D) contiguous.
+void launch_bwd_preprocess(const at::Tensor& dout, const at::Tensor& out, const std::optional<at::Tensor>& dlse,
+                           const at::Tensor& delta, const at::Tensor& dq_accum, const char* op) {
+  BwdPreprocessParams p{};
+  p.dout = dout.data_ptr(), p.out = out.data_ptr();
+  p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
+  p.o_batch_stride = out.stride(0), p.o_head_stride = out.stride(1), p.o_row_stride = out.stride(2);
+  p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
+  p.delta = delta.data_ptr<float>();
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.batch = static_cast<int>(dout.size(0)), p.heads = static_cast<int>(dout.size(1));
+  p.len_q = static_cast<int>(dout.size(2)), p.head_dim = static_cast<int>(dout.size(3));
+  const cudaError_t err =
+      run_bwd_preprocess(p, dout.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+// dq = scale * dq_accum in dq's type: dq as a (B, H, L, D) view (rows 16-byte aligned), dq_accum (B, H, L, D)
+// contiguous.
+void launch_bwd_postprocess(const at::Tensor& dq_accum, const at::Tensor& dq, double scale, const char* op) {
+  BwdPostprocessParams p{};
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dq_batch_stride = dq.stride(0), p.dq_head_stride = dq.stride(1), p.dq_row_stride = dq.stride(2);
+  p.scale = static_cast<float>(scale);
+  p.batch = static_cast<int>(dq.size(0)), p.heads = static_cast<int>(dq.size(1));
+  p.len_q = static_cast<int>(dq.size(2)), p.head_dim = static_cast<int>(dq.size(3));
+  const cudaError_t err =
+      run_bwd_postprocess(p, dq.scalar_type() == at::kBFloat16, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
 // dQ, dK, dV: by a fused kernel where one takes the call, else by the chunked backward. `delta` receives the fused
 // path's rowsum(dO * O) - dlse (left undefined by the chunked one).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Tensor& dout, const at::Tensor& q,
@@ -380,7 +413,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   const std::optional<at::Tensor> dlse_rows =
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
-  at::Tensor dq_accum = at::zeros({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
   // Deterministic: a count of the key blocks added so far per dQ tile (Hopper: two per query block; sm80: one).
   at::Tensor dq_semaphore;
   if (deterministic) {
@@ -393,21 +426,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   at::Tensor dv = at::empty(v.sizes(), v.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  BwdDeltaParams delta_params{};
-  delta_params.dout = dout_rows.data_ptr();
-  delta_params.out = out_rows.data_ptr();
-  delta_params.do_batch_stride = dout_rows.stride(0), delta_params.do_head_stride = dout_rows.stride(1);
-  delta_params.do_row_stride = dout_rows.stride(2);
-  delta_params.o_batch_stride = out_rows.stride(0), delta_params.o_head_stride = out_rows.stride(1);
-  delta_params.o_row_stride = out_rows.stride(2);
-  delta_params.dlse = dlse_rows.has_value() ? dlse_rows->data_ptr<float>() : nullptr;
-  delta_params.delta = delta.data_ptr<float>();
-  delta_params.batch = static_cast<int>(s.batch);
-  delta_params.heads = static_cast<int>(s.heads);
-  delta_params.len_q = static_cast<int>(s.len_q);
-  delta_params.head_dim = static_cast<int>(s.head_dim);
-  cudaError_t err = sm80::run_bwd_delta(delta_params, is_bf16, stream);
-  TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
+  launch_bwd_preprocess(dout_rows, out_rows, dlse_rows, delta, dq_accum, "flashattn.bwd");
 
   params.lse = lse_rows.data_ptr<float>();
   params.delta = delta.data_ptr<float>();
@@ -415,10 +434,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
-  err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal, options || sm80_ordered_dq,
-                   sm80_ordered_dq, path, stream);
+  const cudaError_t err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal,
+                                     options || sm80_ordered_dq, sm80_ordered_dq, path, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
-  return {dq_accum.to(q.scalar_type()), dk, dv};
+  at::Tensor dq = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
+  launch_bwd_postprocess(dq_accum, dq, softmax_scale, "flashattn.bwd");
+  return {dq, dk, dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
@@ -550,7 +571,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const std::optional<at::Tensor> dlse_rows =
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   at::Tensor delta = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
-  at::Tensor dq_accum = at::zeros({vs.heads, vs.total_q, vs.head_dim}, q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::empty({vs.heads, vs.total_q, vs.head_dim}, q.options().dtype(at::kFloat));
   // Deterministic: dQ added in key-block order, a semaphore per query block of each head (packed.h's slots), then a
   // flag the kernel reads: cu_seqlens that break their rules (computed on the device, no synchronisation).
   const int64_t num_semaphores = vs.heads * (vs.total_q / sm80::kBwdBlockM + vs.batch);
@@ -566,17 +587,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  // delta over the (H, total_q) rows: the dense preprocessing with one batch of total_q rows.
-  BwdDeltaParams dp{};
-  dp.dout = dout_rows.data_ptr(), dp.out = out_rows.data_ptr();
-  dp.do_head_stride = dout_rows.stride(1), dp.do_row_stride = dout_rows.stride(0);
-  dp.o_head_stride = out_rows.stride(1), dp.o_row_stride = out_rows.stride(0);
-  dp.dlse = dlse_rows.has_value() ? dlse_rows->data_ptr<float>() : nullptr;
-  dp.delta = delta.data_ptr<float>();
-  dp.batch = 1, dp.heads = static_cast<int>(vs.heads), dp.len_q = static_cast<int>(vs.total_q);
-  dp.head_dim = static_cast<int>(vs.head_dim);
-  cudaError_t err = sm80::run_bwd_delta(dp, is_bf16, stream);
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  // The (H, total_q) rows as one batch of total_q rows.
+  const auto as_one_batch = [](const at::Tensor& rows) { return rows.permute({1, 0, 2}).unsqueeze(0); };
+  launch_bwd_preprocess(as_one_batch(dout_rows), as_one_batch(out_rows), dlse_rows, delta, dq_accum, op);
 
   BwdParams p{};
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.dout = dout_rows.data_ptr();
@@ -594,10 +607,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true, BwdPath::kSm80, stream);
+  const cudaError_t err =
+      launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true, BwdPath::kSm80, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
-  dq.copy_(dq_accum.permute({1, 0, 2}));
+  launch_bwd_postprocess(dq_accum, as_one_batch(dq), softmax_scale, op);
   if (mods.sinks.has_value()) {
     dsinks = sink_grads(dout, out, lse.unsqueeze(0), std::nullopt, *mods.sinks, delta.unsqueeze(0));
   }

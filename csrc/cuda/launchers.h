@@ -21,9 +21,11 @@ cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
 inline constexpr int kBwdBlockM = 64;
-
-cudaError_t run_bwd_delta(const BwdDeltaParams& params, bool is_bf16, cudaStream_t stream);
 }  // namespace sm80
+
+// The passes before and after every fused backward (bwd_preprocess.cu, bwd_postprocess.cu).
+cudaError_t run_bwd_preprocess(const BwdPreprocessParams& params, bool is_bf16, cudaStream_t stream);
+cudaError_t run_bwd_postprocess(const BwdPostprocessParams& params, bool is_bf16, cudaStream_t stream);
 
 namespace sm90 {
 // As params.plan says (fwd_plan.h); cudaErrorNotSupported where the driver refuses a tensor map or the shared memory.

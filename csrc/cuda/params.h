@@ -99,7 +99,7 @@ struct BwdParams {
 
   const float* __restrict__ lse;    // (B, H, Lq) contiguous, natural log, -inf for rows without keys
   const float* __restrict__ delta;  // (B, H, Lq) contiguous: rowsum(dO * O) - dlse
-  float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives scale * dS K
+  float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives dS K (unscaled)
   // Deterministic dQ: int32 counts of the key blocks added into each dQ tile so far, zero on entry (Hopper kernel,
   // D <= 128: (B, H, query blocks, 2 tiles); the sm80 sequences variant: launchers.h); null: add in any order.
   int* __restrict__ dq_semaphore;
@@ -121,14 +121,24 @@ struct BwdParams {
   const int* __restrict__ cu_seqlens_k;
 };
 
-// rowsum(dO * O) - dlse for every query row (the backward's "D" vector).
-struct BwdDeltaParams {
+// The backward's preprocessing over the query rows (B, H, Lq): delta = rowsum(dO * O) - dlse, and dq_accum zeroed.
+struct BwdPreprocessParams {
   const void* __restrict__ dout;
   const void* __restrict__ out;
   int64_t do_batch_stride, do_head_stride, do_row_stride;
   int64_t o_batch_stride, o_head_stride, o_row_stride;
   const float* __restrict__ dlse;  // (B, H, Lq) contiguous, or null
   float* __restrict__ delta;       // (B, H, Lq) contiguous
+  float* __restrict__ dq_accum;    // (B, H, Lq, D) contiguous, or null
+  int batch, heads, len_q, head_dim;
+};
+
+// The backward's last pass: dq = scale * dq_accum in the inputs' type.
+struct BwdPostprocessParams {
+  const float* __restrict__ dq_accum;  // (B, H, Lq, D) contiguous
+  void* __restrict__ dq;               // rows 16-byte aligned
+  int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+  float scale;
   int batch, heads, len_q, head_dim;
 };
 

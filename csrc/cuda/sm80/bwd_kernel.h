@@ -5,7 +5,7 @@
 // them. Per query block, with P recomputed from lse:
 //   S^T = K Q^T,  P^T = exp(S^T * scale - lse),  dP^T = V dO^T,  dS^T = P^T (dP^T - delta)
 //   dV += P^T dO,  dK += dS^T Q                         (each warp, its 16 keys, no synchronisation)
-//   dQ (this block's share) = dS K * scale              (dS^T staged in shared memory; fp32 atomics to dq_accum)
+//   dQ (this block's share) = dS K                      (dS^T staged in shared memory; fp32 atomics to dq_accum)
 // Working with S^T (keys as rows) makes P^T and dS^T the A operands of the dV/dK GEMMs straight from registers.
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges, and with
 // softcap recomputes t = tanh(scale * S / softcap) for P = exp(softcap * t - lse) and dS = P (dP - delta) (1 - t^2).
@@ -308,8 +308,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
           for (int dt = 0; dt < kDTiles; ++dt) {
             const int col = dt * 8 + 2 * (lane % 4);
             if (col < p.head_dim) {  // head_dim is a multiple of 8: both columns of the pair are in range
-              atomicAdd(dq_row + col, acc_dq[dt][2 * half] * p.scale);
-              atomicAdd(dq_row + col + 1, acc_dq[dt][2 * half + 1] * p.scale);
+              atomicAdd(dq_row + col, acc_dq[dt][2 * half]);
+              atomicAdd(dq_row + col + 1, acc_dq[dt][2 * half + 1]);
             }
           }
         }

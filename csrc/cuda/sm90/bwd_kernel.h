@@ -1,5 +1,6 @@
 // Hopper backward: warp-specialised, TMA + wgmma, head dims 64 and 128 (256: bwd_split_kernel.h). It shares the
-// params, the preprocessing (delta) and the dQ conversion in flash_api.cpp with the sm80 kernel (sm80/bwd_kernel.h).
+// params and the passes before and after (bwd_preprocess.cu: delta, dq_accum zeroed; bwd_postprocess.cu: dQ) with
+// the sm80 kernel (sm80/bwd_kernel.h).
 //
 // CTA = one block of kBlockN = 128 keys of one (batch, kv head); 3 warpgroups. Warpgroup 0 is the producer: one
 // thread loads K and V once and then, for every query head of the kv head's group and every query block that sees
@@ -132,8 +133,7 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
 // of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores. A half-warp's rows have r % 8 in
 // 0..3 or 4..7; were every lane to store the same columns at once, rows r and r ^ 1 would hit the same two chunks
 // (4 wavefronts a store instead of 2), so lanes of odd rows store column group j ^ 2 while the others store j.
-__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[32], float factor, int warp,
-                                                         int lane) {
+__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[32], int warp, int lane) {
   const int odd = (lane / 4) % 2;
   // The chunk this lane writes at step j: 2 (j % 4) ^ chunk_xor (the swap flips bit 2, the row's swizzle bits 0-2).
   const int chunk_xor = ((lane % 4) / 2) ^ (4 * odd) ^ (lane / 4);
@@ -146,7 +146,7 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
       const float x = odd ? acc[4 * jj + 2 * h] : acc[4 * j + 2 * h];
       const float y = odd ? acc[4 * jj + 2 * h + 1] : acc[4 * j + 2 * h + 1];
       float* const dst = row_base + (j / 4) * 64 * 32 + 8 * h * 32 + ((2 * (j % 4)) ^ chunk_xor) * 4;
-      *reinterpret_cast<float2*>(dst) = make_float2(x * factor, y * factor);
+      *reinterpret_cast<float2*>(dst) = make_float2(x, y);
     }
   }
 }
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.do_empty[stage]);
 
     named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
-    store_swizzled_fp32_tile(dq_tile, dq, p.scale, warp, lane);
+    store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
     fence_proxy_async_smem();
     named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
 

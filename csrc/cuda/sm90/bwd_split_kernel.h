@@ -251,8 +251,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                              : make_float4(dq[4 * j], dq[4 * j + 1], take0, take1);
       const int col = column0 + 8 * j + 2 * (lane % 4 - odd);
       if (query < p.len_q && col < p.head_dim) {
-        atomicAdd(reinterpret_cast<float4*>(dq_row + col),
-                  make_float4(sum.x * p.scale, sum.y * p.scale, sum.z * p.scale, sum.w * p.scale));
+        atomicAdd(reinterpret_cast<float4*>(dq_row + col), sum);
       }
     }
   }
