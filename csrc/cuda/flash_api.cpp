@@ -384,10 +384,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   const bool causal = options ? mods.right >= 0 : mods.causal();
   const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
                           (!options || sm90_kernel_head_dim(bucket) <= 128);
-  // The fused kernels add dQ up across CTAs in an order that varies, except with dQ semaphores: the Hopper kernel's up
-  // to D128 without options, and the sm80 sequences variant's (any band) up to its largest bucket. deterministic=True
-  // takes one of those, else the chunked backward.
-  const bool sm90_ordered_dq = wants_sm90 && sm90_kernel_head_dim(bucket) <= 128 && !options;
+  // The fused kernels add dQ up across CTAs in an order that varies, except with dQ semaphores: the Hopper kernels'
+  // without options, and the sm80 sequences variant's (any band) up to its largest bucket. deterministic=True takes
+  // one of those, else the chunked backward.
+  const bool sm90_ordered_dq = wants_sm90 && !options;
   const bool fused_sm80 = bucket <= kMaxFusedBwdSm80Bucket;
   if (!wants_sm90 && !fused_sm80) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   if (deterministic && !sm90_ordered_dq && !fused_sm80) {

@@ -310,14 +310,14 @@ def test_deterministic(device, dtype, heads_kv, deterministic_algorithms):
 
 @pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize(
     "shape", [(2, 8, 2, 1000, 1100), (1, 4, 4, 1500, 700), (1, 2, 1, 300, 2300)], ids=["gqa", "lq-gt-lk", "lq-lt-lk"]
 )
 def test_deterministic_many_key_blocks(device, dtype, causal, head_dim, shape, deterministic_algorithms):
-    # Many key blocks add into each dQ block (up to 18 of 128 keys), where an unordered addition would change bits from
-    # run to run: with deterministic algorithms every run gives the same bits, and the gradients are right (Hopper: the
-    # kernel's ordered dQ, causal with the key blocks reversed; elsewhere the chunked backward).
+    # Many key blocks add into each dQ block (up to 18 of 128 keys, 36 of 64 at D256), where an unordered addition
+    # would change bits from run to run: with deterministic algorithms every run gives the same bits, and the gradients
+    # are right (Hopper: the kernels' ordered dQ, causal with the key blocks reversed; elsewhere the chunked backward).
     batch, heads, heads_kv, len_q, len_k = shape
     q, k, v = leaves(*make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, dtype, device))
     out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal=causal)
@@ -347,12 +347,13 @@ def deterministic_gradients(q, k, v, dout, dlse, causal):
 
 @pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_deterministic_takes_the_hopper_kernel(device, dtype, causal):
-    # On Hopper up to D128 deterministic algorithms run the fused kernel (strict: or raise), not the chunked backward:
-    # the two add in different orders, so their bits differ while both are right.
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
+def test_deterministic_takes_the_hopper_kernel(device, dtype, causal, head_dim):
+    # On Hopper deterministic algorithms run the fused kernels (strict: or raise), not the chunked backward: the two
+    # add in different orders, so their bits differ while both are right.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper kernel's ordered dQ")
-    q, k, v = make_qkv(1, 4, 2, 700, 900, 128, dtype, device)
+    q, k, v = make_qkv(1, 4, 2, 700, 900, head_dim, dtype, device)
     out, _ = fwd(q, k, v, causal)
     dout, dlse = torch.randn_like(out), torch.randn(out.shape[:3], device=device)
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

@@ -8,6 +8,7 @@
 
 #include "cuda/params.h"
 #include "cuda/ptx_common.h"
+#include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/wgmma_ops.h"
 
@@ -157,16 +158,100 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
   }
 }
 
-// Thread 0 initialises the pipeline's mbarriers: K/V once; per stage, Q and dO "full" (TMA bytes landed) and
-// "empty" (every consumer thread arrives once its GEMMs on the stage ended).
+// Columns 64 part .. 64 part + 63 of a 64-row fp32 accumulator (kCols wide) into two [64 rows][32 columns] boxes in
+// the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte
+// stores. A half-warp's rows have r % 8 in 0..3 or 4..7; were every lane to store the same columns at once, rows r
+// and r ^ 1 would hit the same two chunks (4 wavefronts a store instead of 2), so lanes of odd rows store column
+// group j ^ 2 while the others store j.
+template <int kCols>
+__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[kCols / 2], int part, int warp,
+                                                         int lane) {
+  const float* const part_acc = acc + 32 * part;  // the accumulator's 64-column groups are 32 registers apart
+  const int odd = (lane / 4) % 2;
+  // The chunk this lane writes at step j: 2 (j % 4) ^ chunk_xor (the swap flips bit 2, the row's swizzle bits 0-2).
+  const int chunk_xor = ((lane % 4) / 2) ^ (4 * odd) ^ (lane / 4);
+  float* const row_base = tile + (16 * warp + lane / 4) * 32 + 2 * (lane % 2);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int jj = j ^ 2;  // odd rows' column group at step j
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float x = odd ? part_acc[4 * jj + 2 * h] : part_acc[4 * j + 2 * h];
+      const float y = odd ? part_acc[4 * jj + 2 * h + 1] : part_acc[4 * j + 2 * h + 1];
+      float* const dst = row_base + (j / 4) * 64 * 32 + 8 * h * 32 + ((2 * (j % 4)) ^ chunk_xor) * 4;
+      *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+    }
+  }
+}
+
+// The dQ writer warp (warp 1 of the producer warpgroup): per step and part (Traits::kDqParts), each consumer's fp32
+// dQ tile of 64x64 from shared memory into dq_accum (one TMA reduce-add of two [64 rows][32 columns] boxes, one bulk
+// group per tile), then the tiles back to their consumers once read. With a semaphore per consumer and query block,
+// lane 0 first waits until the key blocks before this one have added theirs (before the first part), and counts its
+// own once every part is written (tile 0's write completes while tile 1 waits for its turn).
+template <typename Traits, typename Block, typename Storage>
+__device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
+                                              const Block& block, int lane) {
+  const int num_steps = block.num_steps(p);
+  if (num_steps == 0) return;
+  const bool ordered = p.dq_semaphore != nullptr;
+  for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+  for (int step = 0; step < num_steps; ++step) {
+    const int head = block.head(step, p);
+    for (int part = 0; part < Traits::kDqParts; ++part) {
+      const bool last_part = part + 1 == Traits::kDqParts;
+      for (int c = 0; c < 2; ++c) {
+        named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
+        if (lane == 0) {
+          if (ordered && part == 0) {
+            const int turn = block.dq_turn(block.m_start(step) / Traits::kBlockM, p);
+            while (ld_acquire_gpu(block.dq_semaphore(step, c, p)) != turn) {
+            }
+            fence_proxy_async_global();  // the earlier blocks' additions before this one's
+          }
+          const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
+          const float* const tile = smem.dq + c * Traits::kTileDQ;
+          for (int box = 0; box < 2; ++box) {
+            tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c, part) + 32 * box, row,
+                              head, block.batch);
+          }
+          bulk_commit_group();
+        }
+        __syncwarp();
+      }
+      if (lane == 0) {
+        if (ordered && last_part) {  // each consumer's tiles counted once written, not only read
+          bulk_wait_group<1>();
+          fence_proxy_async_global();
+          red_release_gpu_add(block.dq_semaphore(step, 0, p), 1);
+          bulk_wait_group<0>();
+          fence_proxy_async_global();
+          red_release_gpu_add(block.dq_semaphore(step, 1, p), 1);
+        } else {
+          bulk_wait_group_read<0>();
+        }
+      }
+      __syncwarp();
+      if (step + 1 < num_steps || !last_part) {
+        for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+      }
+    }
+  }
+  if (lane == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
+}
+
+// Thread 0 initialises the pipeline's mbarriers: K/V once; per Q and per dO buffer, "full" (TMA bytes landed) and
+// "empty" (every consumer thread arrives once its GEMMs on the buffer ended).
 template <typename Traits, typename Storage>
 __device__ __forceinline__ void init_bwd_barriers(const Storage& smem) {
   if (threadIdx.x != 0) return;
   mbarrier_init(smem.kv_full, 1);
   for (int s = 0; s < Traits::kStages; ++s) {
     mbarrier_init(&smem.q_full[s], 1);
-    mbarrier_init(&smem.do_full[s], 1);
     mbarrier_init(&smem.q_empty[s], 2 * 128);
+  }
+  for (int s = 0; s < Traits::kStagesDo; ++s) {
+    mbarrier_init(&smem.do_full[s], 1);
     mbarrier_init(&smem.do_empty[s], 2 * 128);
   }
   fence_barrier_init();
@@ -174,7 +259,7 @@ __device__ __forceinline__ void init_bwd_barriers(const Storage& smem) {
 
 // The producer thread: K and V once (always: the consumers always wait for them, so no copy is in flight when the
 // CTA exits), then Q and dO of every query head of the kv head's group and every query block that sees the keys,
-// through the kStages ring. The consumers walk the same sequence.
+// through rings of kStages (Q) and kStagesDo (dO) buffers. The consumers walk the same sequence.
 template <typename T, typename Traits, typename Block, typename Storage>
 __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUtensorMap& q_map,
                                                  const CUtensorMap& k_map, const CUtensorMap& v_map,
@@ -191,20 +276,20 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
     const int head = block.kv_head * p.heads_per_kv + g;
 #pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
     for (int m_block = block.m_begin; m_block < block.m_end; ++m_block, ++step) {
-      const int stage = step % Traits::kStages;
-      const int use = step / Traits::kStages;
       const int m_start = m_block * Traits::kBlockM;
+      const int stage = step % Traits::kStages, use = step / Traits::kStages;
       if (use > 0) mbarrier_wait(&smem.q_empty[stage], (use - 1) & 1);
       mbarrier_arrive_expect_tx(&smem.q_full[stage], Traits::kTileQ * sizeof(T));
       for (int c = 0; c < Traits::kColumnBlocks; ++c) {
         tma_load_4d(smem.q_stage(stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[stage], 64 * c, m_start, head,
                     block.batch);
       }
-      if (use > 0) mbarrier_wait(&smem.do_empty[stage], (use - 1) & 1);
-      mbarrier_arrive_expect_tx(&smem.do_full[stage], Traits::kTileQ * sizeof(T));
+      const int do_stage = step % Traits::kStagesDo, do_use = step / Traits::kStagesDo;
+      if (do_use > 0) mbarrier_wait(&smem.do_empty[do_stage], (do_use - 1) & 1);
+      mbarrier_arrive_expect_tx(&smem.do_full[do_stage], Traits::kTileQ * sizeof(T));
       for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.dout_stage(stage) + c * Traits::kSubTileQ, &do_map, &smem.do_full[stage], 64 * c, m_start,
-                    head, block.batch);
+        tma_load_4d(smem.dout_stage(do_stage) + c * Traits::kSubTileQ, &do_map, &smem.do_full[do_stage], 64 * c,
+                    m_start, head, block.batch);
       }
     }
   }

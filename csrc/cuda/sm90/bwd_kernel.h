@@ -52,7 +52,8 @@ struct BwdTraits {
   // Queries per step, the N of S^T = K Q^T: 128 at D64, 64 at D128. Either way a step's dQ is two 64x64 tiles, one
   // per warpgroup.
   static constexpr int kBlockM = bwd_tile_shape(HeadDim).block_m;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 2;    // Q buffers
+  static constexpr int kStagesDo = 2;  // dO buffers
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
   static constexpr int kQueryBlocks = kBlockM / 64;   // 64-query sub-tiles of a step (dS^T tile, dQ)
@@ -62,9 +63,13 @@ struct BwdTraits {
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kTileDS = 64 * kBlockM;  // one consumer's dS^T: 64 keys x kBlockM queries
   static constexpr int kTileDQ = 64 * 64;       // one consumer's dQ tile, fp32: two TMA boxes of 64 rows x 32 columns
-  // Consumer c's dQ tile: 64-query sub-tile and 64-column block of the step's dQ (for the consumer and the writer).
+  // Consumer c's dQ tile: 64-query sub-tile and 64-column block of the step's dQ (for the consumer and the writer),
+  // one part per step.
+  static constexpr int kDqParts = 1;
   __host__ __device__ static constexpr int dq_query_block(int consumer) { return consumer % kQueryBlocks; }
-  __host__ __device__ static constexpr int dq_column_block(int consumer) { return consumer / kQueryBlocks; }
+  __host__ __device__ static constexpr int dq_column_block(int consumer, int /*part*/) {
+    return consumer / kQueryBlocks;
+  }
   static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warp
   static constexpr int kConsumerRegs = 240;
   template <typename T>
@@ -76,6 +81,7 @@ struct BwdTraits {
   }
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward covers head dims 64 and 128");
   static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
+  static_assert(kStagesDo == kStages, "the consumers index the Q and dO rings by one stage");
   static_assert(kQueryBlocks * kColumnBlocks == 2, "a step's dQ is one 64x64 tile per consumer warpgroup");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -129,80 +135,6 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
   }
 }
 
-// The accumulator of a 64x64 fp32 tile into two [64 rows][32 columns] boxes in the 128-byte swizzle (16-byte chunk c
-// of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte stores. A half-warp's rows have r % 8 in
-// 0..3 or 4..7; were every lane to store the same columns at once, rows r and r ^ 1 would hit the same two chunks
-// (4 wavefronts a store instead of 2), so lanes of odd rows store column group j ^ 2 while the others store j.
-__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[32], int warp, int lane) {
-  const int odd = (lane / 4) % 2;
-  // The chunk this lane writes at step j: 2 (j % 4) ^ chunk_xor (the swap flips bit 2, the row's swizzle bits 0-2).
-  const int chunk_xor = ((lane % 4) / 2) ^ (4 * odd) ^ (lane / 4);
-  float* const row_base = tile + (16 * warp + lane / 4) * 32 + 2 * (lane % 2);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int jj = j ^ 2;  // odd rows' column group at step j
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float x = odd ? acc[4 * jj + 2 * h] : acc[4 * j + 2 * h];
-      const float y = odd ? acc[4 * jj + 2 * h + 1] : acc[4 * j + 2 * h + 1];
-      float* const dst = row_base + (j / 4) * 64 * 32 + 8 * h * 32 + ((2 * (j % 4)) ^ chunk_xor) * 4;
-      *reinterpret_cast<float2*>(dst) = make_float2(x, y);
-    }
-  }
-}
-
-// The dQ writer warp: per step, each consumer's dQ tile from shared memory into dq_accum (one TMA reduce-add of two
-// [64 rows][32 columns] boxes, one bulk group per tile), then the tiles back to their consumers once read. With a
-// semaphore per tile, lane 0 first waits until the key blocks before this one have added theirs, and counts its own
-// once it is written (tile 0's write completes while tile 1 waits for its turn).
-template <typename Traits, typename Block, typename Storage>
-__device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
-                                              const Block& block, int lane) {
-  const int num_steps = block.num_steps(p);
-  if (num_steps == 0) return;
-  const bool ordered = p.dq_semaphore != nullptr;
-  for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
-  for (int step = 0; step < num_steps; ++step) {
-    const int head = block.head(step, p);
-    for (int c = 0; c < 2; ++c) {
-      named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
-      if (lane == 0) {
-        if (ordered) {
-          const int turn = block.dq_turn(block.m_start(step) / Traits::kBlockM, p);
-          while (ld_acquire_gpu(block.dq_semaphore(step, c, p)) != turn) {
-          }
-          fence_proxy_async_global();  // the earlier blocks' additions before this one's
-        }
-        const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
-        const float* const tile = smem.dq + c * Traits::kTileDQ;
-        for (int box = 0; box < 2; ++box) {
-          tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c) + 32 * box, row, head,
-                            block.batch);
-        }
-        bulk_commit_group();
-      }
-      __syncwarp();
-    }
-    if (lane == 0) {
-      if (ordered) {  // each tile counted once written, not only read
-        bulk_wait_group<1>();
-        fence_proxy_async_global();
-        red_release_gpu_add(block.dq_semaphore(step, 0, p), 1);
-        bulk_wait_group<0>();
-        fence_proxy_async_global();
-        red_release_gpu_add(block.dq_semaphore(step, 1, p), 1);
-      } else {
-        bulk_wait_group_read<0>();
-      }
-    }
-    __syncwarp();
-    if (step + 1 < num_steps) {
-      for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
-    }
-  }
-  if (lane == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
-}
-
 template <typename T, typename Traits, bool kCausal, bool kOptions>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -244,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const T* const v_rows = smem.v + consumer * 64 * 64;
   // This warpgroup's dQ tile of every step: a 64-query sub-tile and a 64-column block.
   const int dq_query_block = Traits::dq_query_block(consumer);
-  const int dq_column_block = Traits::dq_column_block(consumer);
+  const int dq_column_block = Traits::dq_column_block(consumer, 0);
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
 
   // lse (log2 domain) and delta of a step's rows (RowStats), staged per warpgroup in shared memory (both warpgroups
@@ -417,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.do_empty[stage]);
 
     named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
-    store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
+    store_swizzled_fp32_tile<64>(dq_tile, dq, 0, warp, lane);
     fence_proxy_async_smem();
     named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
 
@@ -450,15 +382,15 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * params.batch));
+  CUtensorMap dq_map;
+  if (!make_dq_accum_map(&dq_map, params.dq_accum, params.batch, params.heads, params.len_q, params.head_dim, 64)) {
+    return cudaErrorNotSupported;
+  }
   if constexpr (HeadDim == 256) {
     constexpr auto kernel = flash_bwd_split_sm90_kernel<T, Traits, kCausal>;
     if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
-    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, params);
+    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
   } else {
-    CUtensorMap dq_map;
-    if (!make_dq_accum_map(&dq_map, params.dq_accum, params.batch, params.heads, params.len_q, params.head_dim, 64)) {
-      return cudaErrorNotSupported;
-    }
     constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions>;
     if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
     kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);

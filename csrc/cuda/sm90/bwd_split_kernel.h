@@ -5,13 +5,14 @@
 //     warpgroup 1: S^T = K Q^T (64 keys x 64 queries, all 256 columns), P^T -> shared memory (bf16/fp16)
 //     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T passed in fp32 -> shared memory
 //     both, for their half h of the columns: dV[:, h] += P^T dO[:, h] and dK[:, h] += dS^T Q[:, h] (A operands
-//     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major): one fp32 atomic per dQ element and CTA
-//     (16-byte vector atomics).
+//     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major).
 //
-// CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once and Q and dO blocks of 64 rows
-// into a 2-stage ring, as in bwd_kernel.h. Three 256-thread named barriers per step: step start (lse/delta staged,
-// the previous step's tiles free), P^T ready (warpgroup 1 arrives, warpgroup 2 waits), dS^T ready.
-// 226 KB of shared memory.
+// CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once, then Q blocks of 64 rows into a
+// 2-stage ring and dO blocks into one buffer (the dQ tiles take the second's room). Each warpgroup's dQ half goes to
+// dq_accum as bwd_kernel.h's does: registers -> a swizzled fp32 tile of 64 columns in shared memory, added by the dQ
+// writer warp's TMA reduce-add, two parts per step (fp32 atomics from the registers held the kernel at two thirds of
+// its speed). Three 256-thread named barriers per step: step start (lse/delta staged, the previous step's tiles
+// free), P^T ready (warpgroup 1 arrives, warpgroup 2 waits), dS^T ready. 226 KB of shared memory.
 #pragma once
 
 #include <cuda.h>
@@ -36,24 +37,32 @@ struct BwdSplitTraits {
   static constexpr int kHalf = 128;    // columns of dK, dV and dQ per consumer warpgroup
   static constexpr int kBlockN = bwd_tile_shape(kHeadDim).block_n;  // keys per CTA: the M of every GEMM but dQ
   static constexpr int kBlockM = bwd_tile_shape(kHeadDim).block_m;  // queries per step
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 2;    // Q buffers
+  static constexpr int kStagesDo = 1;  // dO buffers
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = kHeadDim / 64;
   static constexpr int kTileKV = kBlockN * kHeadDim;  // elements
   static constexpr int kSubTileKV = kBlockN * 64;
-  static constexpr int kTileQ = kBlockM * kHeadDim;   // a Q or dO stage
+  static constexpr int kTileQ = kBlockM * kHeadDim;   // a Q or dO buffer
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kTileP = kBlockN * kBlockM;    // P^T or dS^T: 64 keys x 64 queries
-  static constexpr int kProducerRegs = 24;
+  static constexpr int kTileDQ = 64 * 64;             // one consumer's dQ tile, fp32: two TMA boxes of 64 x 32
+  // Consumer c's dQ tiles (the writer's side): the step's 64 queries, columns 64 (2 c + part) .. of its half.
+  static constexpr int kDqParts = kHalf / 64;
+  __host__ __device__ static constexpr int dq_query_block(int /*consumer*/) { return 0; }
+  __host__ __device__ static constexpr int dq_column_block(int consumer, int part) {
+    return kDqParts * consumer + part;
+  }
+  static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warp
   static constexpr int kConsumerRegs = 240;
   template <typename T>
   static constexpr int smem_bytes() {
-    return (2 * kTileKV + 2 * kStages * kTileQ + 2 * kTileP) * static_cast<int>(sizeof(T)) +
-           (kTileP /* P^T in fp32 */ + 2 * kBlockM /* lse, delta */) * static_cast<int>(sizeof(float)) +
+    return (2 * kTileDQ + kTileP /* P^T in fp32 */ + 2 * kBlockM /* lse, delta */) * static_cast<int>(sizeof(float)) +
+           (2 * kTileKV + (kStages + kStagesDo) * kTileQ + 2 * kTileP) * static_cast<int>(sizeof(T)) +
            1024 /* alignment */ + 256 /* barriers */;
   }
   // One warpgroup covers the CTA's keys (wgmma M = 64), a step's queries fill one 128-byte swizzle row of the P^T
-  // and dS^T tiles, and the two warpgroups split the columns in halves.
+  // and dS^T tiles and are the 64 rows of a dQ tile, and the two warpgroups split the columns in halves.
   static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim, "the split backward's fixed shape");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
@@ -61,28 +70,30 @@ struct BwdSplitTraits {
 
 template <typename T, typename Traits>
 struct BwdSplitSharedStorage {
-  T* k;  // [kColumnBlocks][kBlockN][64], swizzled
+  float* dq;  // [2 consumers][2 boxes][64 rows][32 columns], swizzled: the TMA reduction's source
+  T* k;       // [kColumnBlocks][kBlockN][64], swizzled
   T* v;
-  T* q;  // [kStages][kColumnBlocks][kBlockM][64]
-  T* dout;
-  T* p;   // P^T [kBlockN][kBlockM], swizzled
-  T* ds;  // dS^T, likewise
+  T* q;       // [kStages][kColumnBlocks][kBlockM][64]
+  T* dout;    // [kStagesDo][kColumnBlocks][kBlockM][64]
+  T* p;       // P^T [kBlockN][kBlockM], swizzled
+  T* ds;      // dS^T, likewise
   float* p_exact;   // [kBlockM / 2][128]: consumer 0's fp32 P^T, slot i of thread t at i * 128 + t (the two
                     // warpgroups hold the same accumulator positions, so consumer 1's thread t reads its own)
   float* lse_log2;  // [kBlockM]
   float* delta;
   uint64_t* kv_full;
   uint64_t* q_full;  // [kStages]
-  uint64_t* do_full;
+  uint64_t* do_full;  // [kStagesDo]
   uint64_t* q_empty;
   uint64_t* do_empty;
 
   __device__ explicit BwdSplitSharedStorage(unsigned char* raw) {
-    k = reinterpret_cast<T*>(align_smem<1024>(raw));
+    dq = reinterpret_cast<float*>(align_smem<1024>(raw));
+    k = reinterpret_cast<T*>(dq + 2 * Traits::kTileDQ);
     v = k + Traits::kTileKV;
     q = v + Traits::kTileKV;
     dout = q + Traits::kStages * Traits::kTileQ;
-    p = dout + Traits::kStages * Traits::kTileQ;
+    p = dout + Traits::kStagesDo * Traits::kTileQ;
     ds = p + Traits::kTileP;
     p_exact = reinterpret_cast<float*>(ds + Traits::kTileP);
     lse_log2 = p_exact + Traits::kTileP;
@@ -90,7 +101,7 @@ struct BwdSplitSharedStorage {
     kv_full = reinterpret_cast<uint64_t*>(delta + Traits::kBlockM);
     q_full = kv_full + 1;
     do_full = q_full + Traits::kStages;
-    q_empty = do_full + Traits::kStages;
+    q_empty = do_full + Traits::kStagesDo;
     do_empty = q_empty + Traits::kStages;
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
@@ -114,11 +125,10 @@ template <typename T, typename Traits, bool kCausal>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
-                                const __grid_constant__ BwdParams p) {
+                                const __grid_constant__ CUtensorMap dq_map, const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kStages = Traits::kStages;
   constexpr int kHalf = Traits::kHalf;
 
   const KeyBlock<Traits, kCausal> block(p);
@@ -130,11 +140,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   init_bwd_barriers<Traits>(smem);
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {  // ---------------------------------------------------------------------------- producer
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
+    if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
+    if (threadIdx.x / 32 == 1) run_dq_writer<Traits>(smem, dq_map, p, block, threadIdx.x % 32);
     return;
   }
 
@@ -146,6 +156,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int lane = thread % 32;
   const int key0 = n_start + 16 * warp + lane / 4;  // + 8 for the thread's second row
   const int column0 = kHalf * consumer;
+  float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
 
   float dk[kHalf / 2], dv[kHalf / 2];
 #pragma unroll
@@ -162,10 +173,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   mbarrier_wait(smem.kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
-    const int64_t row_base = block.row_base(step, p);  // dq_accum
     const int m_start = block.m_start(step);
-    const int stage = step % kStages;
-    const uint32_t parity = (step / kStages) & 1;
+    const int stage = step % Traits::kStages, do_stage = step % Traits::kStagesDo;
+    const uint32_t parity = (step / Traits::kStages) & 1, do_parity = (step / Traits::kStagesDo) & 1;
 
     // The barrier publishes the statistics and ends every read of the previous step's lse, delta, P^T and dS^T
     // tiles (each warpgroup waited for its wgmmas before arriving).
@@ -193,8 +203,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       fence_proxy_async_smem();
       named_barrier_arrive(BwdSplitBarrier::kPReady, 256);
     } else {
-      mbarrier_wait(&smem.do_full[stage], parity);
-      issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(stage));
+      mbarrier_wait(&smem.do_full[do_stage], do_parity);
+      issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(do_stage));
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
       named_barrier_sync(BwdSplitBarrier::kPReady, 256);
@@ -212,14 +222,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     named_barrier_sync(BwdSplitBarrier::kDsReady, 256);
 
-    // Both: dV and dK for this warpgroup's half of the columns, then dQ for the same half.
+    // Both, for this warpgroup's half of the columns: dV, then dQ, then dK, so that dQ's trip to shared memory runs
+    // under the dK GEMM.
     mbarrier_wait(&smem.q_full[stage], parity);  // a completed phase: returns at once for the side that waited
-    mbarrier_wait(&smem.do_full[stage], parity);
+    mbarrier_wait(&smem.do_full[do_stage], do_parity);
     wgmma_fence_registers(dv);
     wgmma_fence_registers(dk);
     wgmma_fence();
-    issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(stage) + 2 * consumer * Traits::kSubTileQ);
-    issue_tile_times_half<T, Traits>(dk, smem.ds, smem.q_stage(stage) + 2 * consumer * Traits::kSubTileQ);
+    issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(do_stage) + 2 * consumer * Traits::kSubTileQ);
     wgmma_commit();
     float dq[kHalf / 2];
     wgmma_fence_registers(dq);
@@ -231,29 +241,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<1>();  // dV, dK done: Q and dO of the stage are free
+    issue_tile_times_half<T, Traits>(dk, smem.ds, smem.q_stage(stage) + 2 * consumer * Traits::kSubTileQ);
+    wgmma_commit();
+    wgmma_wait<2>();  // dV done: dO is free
     wgmma_fence_registers(dv);
+    mbarrier_arrive(&smem.do_empty[do_stage]);
+    wgmma_wait<1>();
+    wgmma_fence_registers(dq);
+#pragma unroll
+    for (int part = 0; part < Traits::kDqParts; ++part) {
+      named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
+      store_swizzled_fp32_tile<kHalf>(dq_tile, dq, part, warp, lane);
+      fence_proxy_async_smem();
+      named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
+    }
+    wgmma_wait<0>();  // dK done: Q of the stage is free
     wgmma_fence_registers(dk);
     mbarrier_arrive(&smem.q_empty[stage]);
-    mbarrier_arrive(&smem.do_empty[stage]);
-    wgmma_wait<0>();
-    wgmma_fence_registers(dq);
-    // 16-byte atomics (sm_90): lanes 2i and 2i + 1 swap halves so that the even lane holds 4 consecutive columns
-    // of the first row and the odd lane those of the second (half the atomic instructions of 8-byte pairs).
-    const bool odd = lane % 2;
-    const int query = m_start + 16 * warp + lane / 4 + 8 * odd;
-    float* const dq_row = p.dq_accum + (row_base + query) * p.head_dim;
-#pragma unroll
-    for (int j = 0; j < kHalf / 8; ++j) {
-      const float give0 = odd ? dq[4 * j] : dq[4 * j + 2], give1 = odd ? dq[4 * j + 1] : dq[4 * j + 3];
-      const float take0 = __shfl_xor_sync(0xffffffffu, give0, 1), take1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-      const float4 sum = odd ? make_float4(take0, take1, dq[4 * j + 2], dq[4 * j + 3])
-                             : make_float4(dq[4 * j], dq[4 * j + 1], take0, take1);
-      const int col = column0 + 8 * j + 2 * (lane % 4 - odd);
-      if (query < p.len_q && col < p.head_dim) {
-        atomicAdd(reinterpret_cast<float4*>(dq_row + col), sum);
-      }
-    }
   }
 
   store_dk_dv<T, kHalf>(p, block, key0, column0, lane, dk, dv);  // this warpgroup's half of the columns

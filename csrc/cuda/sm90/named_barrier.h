@@ -16,7 +16,7 @@ struct FwdBarrier {
   static_assert(1 + 2 * kConsumers <= 16, "barrier ids run out at 15");
 };
 
-// Backward (bwd_kernel.h), two consumer warpgroups and the dQ writer warp.
+// Backward (bwd_kernel.h), two consumer warpgroups and the dQ writer warp (whose ids the D256 kernel shares).
 struct BwdBarrier {
   // Both consumers' dS^T tiles are in shared memory, or (before step 0) their first statistics are (256 threads).
   static constexpr int kDsStored = 1;
@@ -27,11 +27,12 @@ struct BwdBarrier {
   __host__ __device__ static constexpr int dq_empty(int consumer) { return 4 + consumer; }
 };
 
-// Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work.
+// Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work; its dQ writer warp
+// takes BwdBarrier's dq_full and dq_empty (ids 2-5).
 struct BwdSplitBarrier {
-  static constexpr int kStepStart = 1;    // a step's statistics are staged (256 threads)
-  static constexpr int kPReady = 2;       // P^T is in shared memory
-  static constexpr int kDsReady = 3;      // dS^T is in shared memory
+  static constexpr int kStepStart = 1;  // a step's statistics are staged (256 threads)
+  static constexpr int kPReady = 6;     // P^T is in shared memory
+  static constexpr int kDsReady = 7;    // dS^T is in shared memory
 };
 
 }  // namespace flashattn::sm90
