@@ -158,14 +158,15 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
   }
 }
 
-// Columns 64 part .. 64 part + 63 of a 64-row fp32 accumulator (kCols wide) into two [64 rows][32 columns] boxes in
-// the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them: 8-byte
-// stores. A half-warp's rows have r % 8 in 0..3 or 4..7; were every lane to store the same columns at once, rows r
-// and r ^ 1 would hit the same two chunks (4 wavefronts a store instead of 2), so lanes of odd rows store column
-// group j ^ 2 while the others store j.
-template <int kCols>
-__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[kCols / 2], int part, int warp,
+// Columns 64 part .. 64 part + 63 of a 64-row fp32 accumulator (kRegs registers) into two [64 rows][32 columns]
+// boxes in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them:
+// 8-byte stores. A half-warp's rows have r % 8 in 0..3 or 4..7; were every lane to store the same columns at once,
+// rows r and r ^ 1 would hit the same two chunks (4 wavefronts a store instead of 2), so lanes of odd rows store
+// column group j ^ 2 while the others store j.
+template <int kRegs>
+__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[kRegs], int part, int warp,
                                                          int lane) {
+  static_assert(kRegs % 32 == 0, "whole 64-column groups");
   const float* const part_acc = acc + 32 * part;  // the accumulator's 64-column groups are 32 registers apart
   const int odd = (lane / 4) % 2;
   // The chunk this lane writes at step j: 2 (j % 4) ^ chunk_xor (the swap flips bit 2, the row's swizzle bits 0-2).

@@ -171,6 +171,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   if (thread < kBlockM) load_stats(0);
 
+  // A step's dQ leaves in two tiles of 64 columns through one buffer: the first once computed, the second (dq_late)
+  // under the next step's first GEMM, while the writer reads the first.
+  const auto store_dq_tile = [&](const auto& tile, int part) {
+    named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
+    store_swizzled_fp32_tile(dq_tile, tile, part, warp, lane);
+    fence_proxy_async_smem();
+    named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
+  };
+  float dq_late[32];
+
   mbarrier_wait(smem.kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
     const int m_start = block.m_start(step);
@@ -193,6 +203,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (consumer == 0) {
       mbarrier_wait(&smem.q_full[stage], parity);
       issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
+      if (step > 0) store_dq_tile(dq_late, 0);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
       masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, p.len_q, p.len_k, m_start,
@@ -205,6 +216,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     } else {
       mbarrier_wait(&smem.do_full[do_stage], do_parity);
       issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(do_stage));
+      if (step > 0) store_dq_tile(dq_late, 0);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
       named_barrier_sync(BwdSplitBarrier::kPReady, 256);
@@ -248,18 +260,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.do_empty[do_stage]);
     wgmma_wait<1>();
     wgmma_fence_registers(dq);
+    store_dq_tile(dq, 0);
 #pragma unroll
-    for (int part = 0; part < Traits::kDqParts; ++part) {
-      named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
-      store_swizzled_fp32_tile<kHalf>(dq_tile, dq, part, warp, lane);
-      fence_proxy_async_smem();
-      named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
-    }
+    for (int i = 0; i < 32; ++i) dq_late[i] = dq[32 + i];
     wgmma_wait<0>();  // dK done: Q of the stage is free
     wgmma_fence_registers(dk);
     mbarrier_arrive(&smem.q_empty[stage]);
   }
 
+  if (num_steps > 0) store_dq_tile(dq_late, 0);
   store_dk_dv<T, kHalf>(p, block, key0, column0, lane, dk, dv);  // this warpgroup's half of the columns
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
