@@ -212,14 +212,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
       fence_proxy_async_smem();
-      named_barrier_arrive(BwdSplitBarrier::kPReady, 256);
     } else {
       mbarrier_wait(&smem.do_full[do_stage], do_parity);
       issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(do_stage));
       if (step > 0) store_dq_tile(dq_late, 0);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
-      named_barrier_sync(BwdSplitBarrier::kPReady, 256);
+    }
+    named_barrier_sync(BwdSplitBarrier::kPReady, 256);
+
+    // Both, for this warpgroup's half of the columns: dV while consumer 1 forms dS^T, then dQ, then dK, so that dQ's
+    // trip to shared memory runs under the dK GEMM.
+    mbarrier_wait(&smem.do_full[do_stage], do_parity);  // a completed phase: returns at once for the side that waited
+    wgmma_fence_registers(dv);
+    wgmma_fence();
+    issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(do_stage) + 2 * consumer * Traits::kSubTileQ);
+    wgmma_commit();
+    if (consumer == 1) {
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -234,17 +243,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
     named_barrier_sync(BwdSplitBarrier::kDsReady, 256);
 
-    // Both, for this warpgroup's half of the columns: dV, then dQ, then dK, so that dQ's trip to shared memory runs
-    // under the dK GEMM.
-    mbarrier_wait(&smem.q_full[stage], parity);  // a completed phase: returns at once for the side that waited
-    mbarrier_wait(&smem.do_full[do_stage], do_parity);
-    wgmma_fence_registers(dv);
-    wgmma_fence_registers(dk);
-    wgmma_fence();
-    issue_tile_times_half<T, Traits>(dv, smem.p, smem.dout_stage(do_stage) + 2 * consumer * Traits::kSubTileQ);
-    wgmma_commit();
+    mbarrier_wait(&smem.q_full[stage], parity);  // likewise
     float dq[kHalf / 2];
     wgmma_fence_registers(dq);
+    wgmma_fence_registers(dk);
+    wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {  // M = queries, K = keys: dS^T read M-major, K rows transposed
       Wgmma<T, kHalf>::template ss<true, true>(
