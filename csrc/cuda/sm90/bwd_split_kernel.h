@@ -4,15 +4,17 @@
 //
 //     warpgroup 1: S^T = K Q^T (64 keys x 64 queries, all 256 columns), P^T -> shared memory (bf16/fp16)
 //     warpgroup 2: dP^T = V dO^T, then dS^T = P^T (dP^T - delta) with P^T passed in fp32 -> shared memory
-//     both, for their half h of the columns: dV[:, h] += P^T dO[:, h] and dK[:, h] += dS^T Q[:, h] (A operands
-//     from shared memory), dQ[:, h] = dS K[:, h] (dS^T read M-major).
+//     both, for their half h of the columns: dV[:, h] += P^T dO[:, h] (issued once P^T is stored, under dS^T),
+//     then dQ[:, h] = dS K[:, h] (dS^T read M-major) and dK[:, h] += dS^T Q[:, h]; A operands from shared memory.
 //
 // CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once, then Q blocks of 64 rows into a
 // 2-stage ring and dO blocks into one buffer (the dQ tiles take the second's room). Each warpgroup's dQ half goes to
 // dq_accum as bwd_kernel.h's does: registers -> a swizzled fp32 tile of 64 columns in shared memory, added by the dQ
-// writer warp's TMA reduce-add, two parts per step (fp32 atomics from the registers held the kernel at two thirds of
-// its speed). Three 256-thread named barriers per step: step start (lse/delta staged, the previous step's tiles
-// free), P^T ready (warpgroup 1 arrives, warpgroup 2 waits), dS^T ready. 226 KB of shared memory.
+// writer warp's TMA reduce-add (fp32 atomics from the registers held the kernel at two thirds of its speed). A step's
+// second tile waits in registers until the next step's first GEMM is in flight, while the writer reads the first.
+// With p.dq_semaphore the writer adds in key-block order (deterministic), as in bwd_kernel.h. Three 256-thread named
+// barriers per step: step start (lse/delta staged, the previous step's tiles free), P^T ready, dS^T ready. 226 KB of
+// shared memory.
 #pragma once
 
 #include <cuda.h>
