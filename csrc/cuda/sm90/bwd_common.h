@@ -158,16 +158,14 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
   }
 }
 
-// Columns 64 part .. 64 part + 63 of a 64-row fp32 accumulator (kRegs registers) into two [64 rows][32 columns]
+// The first 64 columns of a 64-row fp32 accumulator (kRegs registers, 32 of them) into two [64 rows][32 columns]
 // boxes in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as the TMA map of dq_accum reads them:
 // 8-byte stores. A half-warp's rows have r % 8 in 0..3 or 4..7; were every lane to store the same columns at once,
 // rows r and r ^ 1 would hit the same two chunks (4 wavefronts a store instead of 2), so lanes of odd rows store
 // column group j ^ 2 while the others store j.
 template <int kRegs>
-__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[kRegs], int part, int warp,
-                                                         int lane) {
-  static_assert(kRegs % 32 == 0, "whole 64-column groups");
-  const float* const part_acc = acc + 32 * part;  // the accumulator's 64-column groups are 32 registers apart
+__device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const float (&acc)[kRegs], int warp, int lane) {
+  static_assert(kRegs >= 32, "a 64-column accumulator at least");
   const int odd = (lane / 4) % 2;
   // The chunk this lane writes at step j: 2 (j % 4) ^ chunk_xor (the swap flips bit 2, the row's swizzle bits 0-2).
   const int chunk_xor = ((lane % 4) / 2) ^ (4 * odd) ^ (lane / 4);
@@ -177,8 +175,8 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
     const int jj = j ^ 2;  // odd rows' column group at step j
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float x = odd ? part_acc[4 * jj + 2 * h] : part_acc[4 * j + 2 * h];
-      const float y = odd ? part_acc[4 * jj + 2 * h + 1] : part_acc[4 * j + 2 * h + 1];
+      const float x = odd ? acc[4 * jj + 2 * h] : acc[4 * j + 2 * h];
+      const float y = odd ? acc[4 * jj + 2 * h + 1] : acc[4 * j + 2 * h + 1];
       float* const dst = row_base + (j / 4) * 64 * 32 + 8 * h * 32 + ((2 * (j % 4)) ^ chunk_xor) * 4;
       *reinterpret_cast<float2*>(dst) = make_float2(x, y);
     }

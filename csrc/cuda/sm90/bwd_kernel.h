@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.do_empty[stage]);
 
     named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
-    store_swizzled_fp32_tile(dq_tile, dq, 0, warp, lane);
+    store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
     fence_proxy_async_smem();
     named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
 

@@ -173,11 +173,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
   if (thread < kBlockM) load_stats(0);
 
-  // A step's dQ leaves in two tiles of 64 columns through one buffer: the first once computed, the second (dq_late)
-  // under the next step's first GEMM, while the writer reads the first.
-  const auto store_dq_tile = [&](const auto& tile, int part) {
+  // A step's dQ half leaves in two tiles of 64 columns through this warpgroup's one buffer: the first once computed,
+  // the second (dq_late) under the next step's first GEMM, while the writer reads the first.
+  const auto store_dq_tile = [&](const auto& tile) {  // its first 64 columns
     named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
-    store_swizzled_fp32_tile(dq_tile, tile, part, warp, lane);
+    store_swizzled_fp32_tile(dq_tile, tile, warp, lane);
     fence_proxy_async_smem();
     named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
   };
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (consumer == 0) {
       mbarrier_wait(&smem.q_full[stage], parity);
       issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
-      if (step > 0) store_dq_tile(dq_late, 0);
+      if (step > 0) store_dq_tile(dq_late);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
       masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, p.len_q, p.len_k, m_start,
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     } else {
       mbarrier_wait(&smem.do_full[do_stage], do_parity);
       issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(do_stage));
-      if (step > 0) store_dq_tile(dq_late, 0);
+      if (step > 0) store_dq_tile(dq_late);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
     }
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.do_empty[do_stage]);
     wgmma_wait<1>();
     wgmma_fence_registers(dq);
-    store_dq_tile(dq, 0);
+    store_dq_tile(dq);
 #pragma unroll
     for (int i = 0; i < 32; ++i) dq_late[i] = dq[32 + i];
     wgmma_wait<0>();  // dK done: Q of the stage is free
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.q_empty[stage]);
   }
 
-  if (num_steps > 0) store_dq_tile(dq_late, 0);
+  if (num_steps > 0) store_dq_tile(dq_late);
   store_dk_dv<T, kHalf>(p, block, key0, column0, lane, dk, dv);  // this warpgroup's half of the columns
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
