@@ -46,6 +46,7 @@ def launch(args, shapes):
 
     import flashattn_ext
 
+    torch.use_deterministic_algorithms(args.deterministic)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     for d, causal, length in shapes:
         batch, heads = max(1, args.tokens // length), max(1, args.hidden // d)
@@ -79,13 +80,15 @@ def shape_medians(times, num_shapes, launches):
 def profile(args, build_dir):
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     env = dict(os.environ, PYTHONPATH=str(Path(build_dir).resolve()), FLASHATTN_FWD_SM90=args.fwd_sm90,
-               FLASHATTN_BWD_SM90=args.bwd_sm90)
+               FLASHATTN_BWD_SM90=args.bwd_sm90, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     kernel_regex = args.kernel_regex or (BACKWARD_KERNEL_REGEX if args.backward else KERNEL_REGEX)
     cmd = [ncu, "--csv", "--metrics", "gpu__time_duration.sum", "-k", kernel_regex, sys.executable,
            str(Path(__file__).resolve()), "--launch", "--shapes", args.shapes, "--launches", str(args.launches),
            "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--dtype", args.dtype]
     if args.backward:
         cmd.append("--backward")
+    if args.deterministic:
+        cmd.append("--deterministic")
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if result.returncode != 0:
         raise RuntimeError(f"ncu failed for {build_dir} (rc {result.returncode}):\n{result.stderr[-2000:]}")
@@ -108,6 +111,8 @@ def main():
     parser.add_argument("--backward", action="store_true",
                         help="time the Hopper backward kernel of a forward + backward call instead of the forward")
     parser.add_argument("--bwd-sm90", default="strict", help="FLASHATTN_BWD_SM90 for the runs (with --backward)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under torch.use_deterministic_algorithms(True) (the ordered dQ)")
     parser.add_argument("--kernel-regex", default=None,
                         help="ncu -k filter: the kernels to time (one launch per call; default: the forward's, or "
                              "the Hopper backward's with --backward)")

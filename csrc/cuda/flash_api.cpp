@@ -414,12 +414,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   delta = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
-  // Deterministic: a count of the key blocks added so far per dQ tile (Hopper: two per query block; sm80: one).
+  // Deterministic: a count of the key blocks added so far per dQ tile (Hopper: dq_tiles per query block; sm80: one).
   at::Tensor dq_semaphore;
   if (deterministic) {
     const bool sm90 = path == BwdPath::kSm90;
-    const int64_t block_m = sm90 ? sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket)).block_m : sm80::kBwdBlockM;
-    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? 2 : 1},
+    const sm90::BwdTileShape tile = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
+    const int64_t block_m = sm90 ? tile.block_m : sm80::kBwdBlockM;
+    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? tile.dq_tiles : 1},
                              q.options().dtype(at::kInt));
   }
   at::Tensor dk = at::empty(k.sizes(), k.options());

@@ -45,8 +45,9 @@ def test_shapes_parse_and_reject_an_unknown_mask(ncu_ab):
         ncu_ab.parse_shapes("128:x:1024")
 
 
-@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
-def test_profile_times_the_kernels_of_the_mode(ncu_ab, monkeypatch, backward):
+@pytest.mark.parametrize("backward,deterministic", [(False, False), (True, False), (True, True)],
+                         ids=["forward", "backward", "deterministic"])
+def test_profile_times_the_kernels_of_the_mode(ncu_ab, monkeypatch, backward, deterministic):
     seen = {}
 
     def fake_run(cmd, env, **kwargs):
@@ -56,12 +57,13 @@ def test_profile_times_the_kernels_of_the_mode(ncu_ab, monkeypatch, backward):
     monkeypatch.setattr(ncu_ab.subprocess, "run", fake_run)
     args = types.SimpleNamespace(fwd_sm90="strict", bwd_sm90="strict", kernel_regex=None, backward=backward,
                                  shapes="128:nc:1024,256:c:8192", launches=3, tokens=16384, hidden=2048, dtype="bf16",
-                                 timeout=10)
+                                 timeout=10, deterministic=deterministic)
     assert ncu_ab.profile(args, "/tmp/build") == ncu_ab.launch_times(NCU_CSV)
     cmd = seen["cmd"]
     regex = cmd[cmd.index("-k") + 1]
     assert regex == (ncu_ab.BACKWARD_KERNEL_REGEX if backward else ncu_ab.KERNEL_REGEX)
     assert ("--backward" in cmd) == backward
+    assert ("--deterministic" in cmd) == deterministic
     assert cmd[cmd.index("--shapes") + 1] == "128:nc:1024,256:c:8192"
     assert seen["env"]["PYTHONPATH"] == str(Path("/tmp/build").resolve())
     assert seen["env"]["FLASHATTN_FWD_SM90"] == "strict" and seen["env"]["FLASHATTN_BWD_SM90"] == "strict"

@@ -82,11 +82,11 @@ struct KeyBlock {
     const int64_t seeing = (reach + Traits::kBlockN - 1) / Traits::kBlockN;  // reach > 0 where this block sees m
     return static_cast<int>(seeing < num_n_blocks ? seeing : num_n_blocks) - 1 - n_block;
   }
-  // This CTA's semaphore of dQ tile `tile` (one per consumer) of the step's query block.
+  // The semaphore of dQ tile `tile` (0 .. Traits::kDqTiles - 1) of the step's query block.
   __device__ int* dq_semaphore(int step, int tile, const BwdParams& p) const {
     const int64_t m_block = m_start(step) / Traits::kBlockM;
     const int64_t head_block = (static_cast<int64_t>(batch) * p.heads + head(step, p)) * num_m_blocks + m_block;
-    return p.dq_semaphore + head_block * 2 + tile;
+    return p.dq_semaphore + head_block * Traits::kDqTiles + tile;
   }
 };
 
@@ -183,56 +183,48 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
   }
 }
 
-// The dQ writer warp (warp 1 of the producer warpgroup): per step and part (Traits::kDqParts), each consumer's fp32
-// dQ tile of 64x64 from shared memory into dq_accum (one TMA reduce-add of two [64 rows][32 columns] boxes, one bulk
-// group per tile), then the tiles back to their consumers once read. With a semaphore per consumer and query block,
-// lane 0 first waits until the key blocks before this one have added theirs (before the first part), and counts its
-// own once every part is written (tile 0's write completes while tile 1 waits for its turn).
-template <typename Traits, typename Block, typename Storage>
+// A dQ writer warp (warp 1 + c of the producer warpgroup, for consumer c): per step and part (Traits::kDqParts), the
+// consumer's fp32 dQ tile of 64x64 from shared memory into dq_accum (one TMA reduce-add of two [64 rows][32 columns]
+// boxes, one bulk group), then the tile back to the consumer once read. Ordered (a semaphore per dQ tile), lane 0
+// first waits until the key blocks before this one have added the tile, and counts its own addition once written;
+// the consumer has its tile back before that, so only the writer waits for its turn, and neither consumer's turn
+// holds up the other's tiles (one warp for both ran the deterministic D256 kernel at 0.68x of a warp each).
+template <typename Traits, typename Storage, typename Block>
 __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
-                                              const Block& block, int lane) {
+                                              const Block& block, int c, int lane) {
   const int num_steps = block.num_steps(p);
   if (num_steps == 0) return;
   const bool ordered = p.dq_semaphore != nullptr;
-  for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+  const float* const tile = smem.dq + c * Traits::kTileDQ;
+  named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
   for (int step = 0; step < num_steps; ++step) {
     const int head = block.head(step, p);
+    const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
+    const int turn = ordered ? block.dq_turn(block.m_start(step) / Traits::kBlockM, p) : 0;
     for (int part = 0; part < Traits::kDqParts; ++part) {
-      const bool last_part = part + 1 == Traits::kDqParts;
-      for (int c = 0; c < 2; ++c) {
-        named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
-        if (lane == 0) {
-          if (ordered && part == 0) {
-            const int turn = block.dq_turn(block.m_start(step) / Traits::kBlockM, p);
-            while (ld_acquire_gpu(block.dq_semaphore(step, c, p)) != turn) {
-            }
-            fence_proxy_async_global();  // the earlier blocks' additions before this one's
-          }
-          const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
-          const float* const tile = smem.dq + c * Traits::kTileDQ;
-          for (int box = 0; box < 2; ++box) {
-            tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c, part) + 32 * box, row,
-                              head, block.batch);
-          }
-          bulk_commit_group();
-        }
-        __syncwarp();
-      }
+      int* const semaphore = ordered ? block.dq_semaphore(step, Traits::kDqParts * c + part, p) : nullptr;
+      named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
       if (lane == 0) {
-        if (ordered && last_part) {  // each consumer's tiles counted once written, not only read
-          bulk_wait_group<1>();
-          fence_proxy_async_global();
-          red_release_gpu_add(block.dq_semaphore(step, 0, p), 1);
-          bulk_wait_group<0>();
-          fence_proxy_async_global();
-          red_release_gpu_add(block.dq_semaphore(step, 1, p), 1);
-        } else {
-          bulk_wait_group_read<0>();
+        if (ordered) {
+          while (ld_acquire_gpu(semaphore) != turn) {
+          }
+          fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
+        for (int box = 0; box < 2; ++box) {
+          tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c, part) + 32 * box, row,
+                            head, block.batch);
+        }
+        bulk_commit_group();
+        bulk_wait_group_read<0>();
       }
       __syncwarp();
-      if (step + 1 < num_steps || !last_part) {
-        for (int c = 0; c < 2; ++c) named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+      if (step + 1 < num_steps || part + 1 < Traits::kDqParts) {
+        named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+      }
+      if (ordered && lane == 0) {
+        bulk_wait_group<0>();
+        fence_proxy_async_global();
+        red_release_gpu_add(semaphore, 1);
       }
     }
   }

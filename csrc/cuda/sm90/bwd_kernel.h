@@ -15,11 +15,11 @@
 //     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major)
 //
 // dQ of a step is 64x64 tiles: two (kBlockM = 64 queries x D = 128, or 128 queries x D = 64), one per warpgroup.
-// Each goes registers -> swizzled shared memory, and the dQ writer (warp 1 of the producer warpgroup) adds it into the
-// fp32 dq_accum by one TMA reduce-add: one reduction per element and CTA, in bulk, where per-thread fp32 atomics held
-// the kernel at about half its speed. Deterministic (p.dq_semaphore): the writer waits for its turn before each
-// addition and counts it done once written, so the key blocks add into each dQ tile in a fixed order (KeyBlock::
-// dq_turn) while the consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out
+// Each goes registers -> swizzled shared memory, and the warpgroup's dQ writer (warp 1 or 2 of the producer
+// warpgroup) adds it into the fp32 dq_accum by one TMA reduce-add: one reduction per element and CTA, in bulk, where
+// per-thread fp32 atomics held the kernel at about half its speed. Deterministic (p.dq_semaphore): each writer waits
+// for its turn before each addition and counts it done once written, so the key blocks add into each dQ tile in a
+// fixed order (KeyBlock::dq_turn) while the consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out
 // of the critical path. dK (times scale) and dV are complete in registers at the end: one writer per element.
 //
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
@@ -66,11 +66,12 @@ struct BwdTraits {
   // Consumer c's dQ tile: 64-query sub-tile and 64-column block of the step's dQ (for the consumer and the writer),
   // one part per step.
   static constexpr int kDqParts = 1;
+  static constexpr int kDqTiles = 2 * kDqParts;  // per step (one semaphore each when ordered)
   __host__ __device__ static constexpr int dq_query_block(int consumer) { return consumer % kQueryBlocks; }
   __host__ __device__ static constexpr int dq_column_block(int consumer, int /*part*/) {
     return consumer / kQueryBlocks;
   }
-  static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warp
+  static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warps
   static constexpr int kConsumerRegs = 240;
   template <typename T>
   static constexpr int smem_bytes() {
@@ -82,7 +83,8 @@ struct BwdTraits {
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward covers head dims 64 and 128");
   static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
   static_assert(kStagesDo == kStages, "the consumers index the Q and dO rings by one stage");
-  static_assert(kQueryBlocks * kColumnBlocks == 2, "a step's dQ is one 64x64 tile per consumer warpgroup");
+  static_assert(kQueryBlocks * kColumnBlocks == 2 && kDqTiles == bwd_tile_shape(HeadDim).dq_tiles,
+                "a step's dQ is one 64x64 tile per consumer warpgroup");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -161,7 +163,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
-    if (threadIdx.x / 32 == 1) run_dq_writer<Traits>(smem, dq_map, p, block, threadIdx.x % 32);
+    const int warp = threadIdx.x / 32;
+    if (warp == 1 || warp == 2) run_dq_writer<Traits>(smem, dq_map, p, block, warp - 1, threadIdx.x % 32);
     return;
   }
 

@@ -9,10 +9,10 @@
 //
 // CTA = 64 keys of one (batch, kv head); the producer warpgroup loads K and V once, then Q blocks of 64 rows into a
 // 2-stage ring and dO blocks into one buffer (the dQ tiles take the second's room). Each warpgroup's dQ half goes to
-// dq_accum as bwd_kernel.h's does: registers -> a swizzled fp32 tile of 64 columns in shared memory, added by the dQ
-// writer warp's TMA reduce-add (fp32 atomics from the registers held the kernel at two thirds of its speed). A step's
-// second tile waits in registers until the next step's first GEMM is in flight, while the writer reads the first.
-// With p.dq_semaphore the writer adds in key-block order (deterministic), as in bwd_kernel.h. Three 256-thread named
+// dq_accum as bwd_kernel.h's does: registers -> a swizzled fp32 tile of 64 columns in shared memory, added by the
+// warpgroup's dQ writer warp's TMA reduce-add (fp32 atomics from the registers held the kernel at two thirds of its
+// speed). A step's second tile waits in registers until the next step's first GEMM is in flight, while the writer
+// reads the first. With p.dq_semaphore the writers add in key-block order (deterministic), as in bwd_kernel.h. Three 256-thread named
 // barriers per step: step start (lse/delta staged, the previous step's tiles free), P^T ready, dS^T ready. 226 KB of
 // shared memory.
 #pragma once
@@ -51,11 +51,12 @@ struct BwdSplitTraits {
   static constexpr int kTileDQ = 64 * 64;             // one consumer's dQ tile, fp32: two TMA boxes of 64 x 32
   // Consumer c's dQ tiles (the writer's side): the step's 64 queries, columns 64 (2 c + part) .. of its half.
   static constexpr int kDqParts = kHalf / 64;
+  static constexpr int kDqTiles = 2 * kDqParts;  // per step (one semaphore each when ordered)
   __host__ __device__ static constexpr int dq_query_block(int /*consumer*/) { return 0; }
   __host__ __device__ static constexpr int dq_column_block(int consumer, int part) {
     return kDqParts * consumer + part;
   }
-  static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warp
+  static constexpr int kProducerRegs = 24;  // the loader thread and the dQ writer warps
   static constexpr int kConsumerRegs = 240;
   template <typename T>
   static constexpr int smem_bytes() {
@@ -65,7 +66,9 @@ struct BwdSplitTraits {
   }
   // One warpgroup covers the CTA's keys (wgmma M = 64), a step's queries fill one 128-byte swizzle row of the P^T
   // and dS^T tiles and are the 64 rows of a dQ tile, and the two warpgroups split the columns in halves.
-  static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim, "the split backward's fixed shape");
+  static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim &&
+                    kDqTiles == bwd_tile_shape(kHeadDim).dq_tiles,
+                "the split backward's fixed shape");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
@@ -146,7 +149,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
-    if (threadIdx.x / 32 == 1) run_dq_writer<Traits>(smem, dq_map, p, block, threadIdx.x % 32);
+    const int warp = threadIdx.x / 32;
+    if (warp == 1 || warp == 2) run_dq_writer<Traits>(smem, dq_map, p, block, warp - 1, threadIdx.x % 32);
     return;
   }
 

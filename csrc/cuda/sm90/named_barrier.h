@@ -16,19 +16,19 @@ struct FwdBarrier {
   static_assert(1 + 2 * kConsumers <= 16, "barrier ids run out at 15");
 };
 
-// Backward (bwd_kernel.h), two consumer warpgroups and the dQ writer warp (whose ids the D256 kernel shares).
+// Backward (bwd_kernel.h), two consumer warpgroups and a dQ writer warp for each (whose ids the D256 kernel shares).
 struct BwdBarrier {
   // Both consumers' dS^T tiles are in shared memory, or (before step 0) their first statistics are (256 threads).
   static constexpr int kDsStored = 1;
-  static constexpr int kWriterThreads = 128 + 32;  // a consumer warpgroup and the dQ writer warp
+  static constexpr int kWriterThreads = 128 + 32;  // consumer warpgroup c and its dQ writer warp
   // Consumer c's dQ tile is in shared memory (kWriterThreads).
   __host__ __device__ static constexpr int dq_full(int consumer) { return 2 + consumer; }
   // The writer has read consumer c's dQ tile: it may be overwritten (kWriterThreads).
   __host__ __device__ static constexpr int dq_empty(int consumer) { return 4 + consumer; }
 };
 
-// Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work; its dQ writer warp
-// takes BwdBarrier's dq_full and dq_empty (ids 2-5).
+// Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work; their dQ writer warps
+// take BwdBarrier's dq_full and dq_empty (ids 2-5).
 struct BwdSplitBarrier {
   static constexpr int kStepStart = 1;  // a step's statistics are staged (256 threads)
   static constexpr int kPReady = 6;     // P^T is in shared memory

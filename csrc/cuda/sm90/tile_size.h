@@ -43,13 +43,17 @@ constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t 
 
 // The Hopper backward's tile: block_n keys per CTA (two consumer warpgroups of 64 at D64 and D128; one at D256, whose
 // consumers split the columns), block_m queries per step (128 at D64, where dK and dV leave the registers room).
+// A step's dQ (block_m x D) goes to dq_accum as dq_tiles fp32 tiles of 64 x 64, each with its own semaphore when the
+// additions are ordered.
 struct BwdTileShape {
   int block_m;
   int block_n;
+  int dq_tiles;
 };
 
 constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim) {
-  return kernel_head_dim == 256 ? BwdTileShape{64, 64} : BwdTileShape{kernel_head_dim == 64 ? 128 : 64, 128};
+  const int block_m = kernel_head_dim == 64 ? 128 : 64;
+  return {block_m, kernel_head_dim == 256 ? 64 : 128, block_m * kernel_head_dim / (64 * 64)};
 }
 
 static_assert(fwd_tile_shape(64, false, 100, 100).consumers == 3, "D64 without a mask: three consumers");
