@@ -19,8 +19,9 @@
 // warpgroup) adds it into the fp32 dq_accum by one TMA reduce-add: one reduction per element and CTA, in bulk, where
 // per-thread fp32 atomics held the kernel at about half its speed. Deterministic (p.dq_semaphore): each writer waits
 // for its turn before each addition and counts it done once written, so the key blocks add into each dQ tile in a
-// fixed order (KeyBlock::dq_turn) while the consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out
-// of the critical path. dK (times scale) and dV are complete in registers at the end: one writer per element.
+// fixed order (KeyBlock::dq_turn) while the consumers go on. lse and delta of the next step are loaded from global
+// memory a step ahead, out of the critical path. dK (times scale) and dV are complete in registers at the end: one
+// writer per element.
 //
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
 // softcap it waits for dP^T too, then forms t = tanh(scale * S^T / softcap), P^T = exp2(softcap * t * log2 e - lse)

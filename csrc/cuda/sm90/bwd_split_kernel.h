@@ -12,9 +12,9 @@
 // dq_accum as bwd_kernel.h's does: registers -> a swizzled fp32 tile of 64 columns in shared memory, added by the
 // warpgroup's dQ writer warp's TMA reduce-add (fp32 atomics from the registers held the kernel at two thirds of its
 // speed). A step's second tile waits in registers until the next step's first GEMM is in flight, while the writer
-// reads the first. With p.dq_semaphore the writers add in key-block order (deterministic), as in bwd_kernel.h. Three 256-thread named
-// barriers per step: step start (lse/delta staged, the previous step's tiles free), P^T ready, dS^T ready. 226 KB of
-// shared memory.
+// reads the first. With p.dq_semaphore the writers add in key-block order (deterministic), as in bwd_kernel.h. Three
+// 256-thread named barriers per step: step start (lse/delta staged, the previous step's tiles free), P^T ready, dS^T
+// ready. 226 KB of shared memory.
 #pragma once
 
 #include <cuda.h>
