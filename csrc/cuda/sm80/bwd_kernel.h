@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             const int i = 2 * half + c;
             const int query = qt * 8 + 2 * (lane % 4) + c;  // inside the query block
             float tanh_score = 0.f;
-            if (softcap) tanh_score = tanh_exp2(acc_s[qt][i] * (p.scale / p.softcap));
+            if (softcap) tanh_score = fast_tanh(acc_s[qt][i] * (p.scale / p.softcap));
             float prob = softcap ? fast_exp2(fmaf(tanh_score, p.softcap * kLog2e, -s_lse[query]))
                                  : fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
             if (needs_mask) {

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = tanh_exp2(acc_s[mt][nt][i] * cap_scale);
+          for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = fast_tanh(acc_s[mt][nt][i] * cap_scale);
         }
       }
     }

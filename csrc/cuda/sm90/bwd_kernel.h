@@ -24,8 +24,8 @@
 // writer per element.
 //
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
-// softcap it waits for dP^T too, then forms t = tanh(scale * S^T / softcap), P^T = exp2(softcap * t * log2 e - lse)
-// and dS^T = P^T (dP^T - delta) (1 - t^2) in one pass (no register holds t across the wait).
+// softcap it forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t
+// as fp16 pairs (fp32 spills at D64), then dS^T = P^T (dP^T - delta) (1 - t^2).
 #pragma once
 
 #include <cuda.h>
@@ -240,20 +240,38 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         return query >= p.len_q || key >= p.len_k || (right >= 0 && key > query + causal_shift + right) ||
                (left >= 0 && key < query + causal_shift - left);
       };
-      if (p.softcap > 0.f) {  // S^T and dP^T both, then P^T and dS^T in one pass
-        wgmma_wait<0>();
+      if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
+        wgmma_wait<1>();
         wgmma_fence_registers(s);
-        wgmma_fence_registers(dp);
         const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
+        __half2 t[kBlockM / 4];
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            const float t = tanh_exp2(s[4 * j + i] * cap_scale);
-            const float x = needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(t, cap_log2, -lse_log2[col]));
-            s[4 * j + i] = x;
-            dp[4 * j + i] = x * (dp[4 * j + i] - delta[col]) * (1.f - t * t);  // dS^T
+          for (int h = 0; h < 2; ++h) {
+            float pair[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
+              pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
+              s[4 * j + i] = needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(pair[c], cap_log2, -lse_log2[col]));
+            }
+            t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
+          }
+        }
+        wgmma_wait<0>();
+        wgmma_fence_registers(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float2 pair = __half22float2(t[2 * j + h]);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
+              const float x = c == 0 ? pair.x : pair.y;
+              dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]) * (1.f - x * x);  // dS^T
+            }
           }
         }
       } else {

@@ -253,7 +253,7 @@ struct FwdConsumer {
       if (softcapped(p)) {
         const float cap_scale = p.scale / p.softcap;
 #pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) s[i] = tanh_exp2(s[i] * cap_scale);
+        for (int i = 0; i < kBlockN / 2; ++i) s[i] = fast_tanh(s[i] * cap_scale);
       }
     }
   }
