@@ -81,18 +81,21 @@ def make_extension():
     # One generated file per (kernel, dtype, head dim, causal): see csrc/cuda/generate_instantiations.py. Each bucket
     # runs in the smallest Hopper kernel head dim that holds it (kernels.json).
     sm90_dims = {min(h for h in KERNEL_TABLE["fwd_sm90"] if h >= d) for d in dims}
+    decode_dims = {min(h for h in KERNEL_TABLE["decode"] if h >= d) for d in dims}
     for path in sorted((ROOT / "csrc/cuda/instantiations").glob("*.cu")):
         m = re.search(r"_hdim(\d+)_", path.name)
         if not m:
             continue
         if "_sm90_" in path.name:
             wanted = with_sm90 and int(m.group(1)) in sm90_dims
+        elif path.name.startswith("decode_"):
+            wanted = int(m.group(1)) in decode_dims
         else:
             wanted = int(m.group(1)) in dims
         if wanted:
             sources.append(str(path.relative_to(ROOT)))
     sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/bwd_preprocess.cu",
-                "csrc/cuda/bwd_postprocess.cu"]
+                "csrc/cuda/bwd_postprocess.cu", "csrc/cuda/decode_combine.cu"]
 
     # Read by the dispatch in flash_api.cpp (host compiler only: nvcc would split the value at its commas).
     built_headdims = f"-DFLASHATTN_BUILT_HEADDIMS={','.join(map(str, dims))}"

@@ -165,7 +165,8 @@ def flash_attn_with_kvcache(
         cache_seqlens: int32 (B,) valid lengths before the append (default: the whole cache less Lnew). Whatever lies
             past a valid length (garbage, NaN) never reaches the output. ``cache_seqlens`` itself is not changed.
         causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per batch entry (bottom-right causal).
-        num_splits: a hint for the split over keys (0: chosen from the shape; not used in this version).
+        num_splits: on CUDA with Lq <= 16, the number of key splits (0: chosen from the shape and the GPU's SM
+            count, never from the batch size or the lengths, so results are batch-invariant); ignored otherwise.
         return_lse: also return lse (float32, (B, H, Lq)).
 
     On CUDA the lengths and the block table are read on the device only (no host synchronisation; a captured CUDA graph

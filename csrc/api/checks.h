@@ -205,8 +205,9 @@ struct KvCacheShape {
 inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                          const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                                          const std::optional<at::Tensor>& cache_seqlens,
-                                         const std::optional<at::Tensor>& block_table,
+                                         const std::optional<at::Tensor>& block_table, int64_t num_splits,
                                          const char* op = "flashattn.fwd_kvcache") {
+  TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0: chosen from the shape), got ", num_splits);
   TORCH_CHECK(q.dim() == 4, op, ": q must have 4 dimensions (B, H, Lq, D), got ", q.dim());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
               ": k_cache and v_cache must have 4 dimensions, got ", k_cache.dim(), " and ", v_cache.dim());

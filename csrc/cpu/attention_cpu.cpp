@@ -675,9 +675,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
                                                    const std::optional<at::Tensor>& block_table, bool causal,
                                                    std::optional<double> scale, at::IntArrayRef window_size,
                                                    double softcap, const std::optional<at::Tensor>& sinks,
-                                                   int64_t /*num_splits*/) {
+                                                   int64_t num_splits) {
   constexpr const char* op = "flashattn.fwd_kvcache";
-  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, op);
+  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, op);
   check_cpu_dtype(q.scalar_type(), op);
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
   const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();

@@ -175,6 +175,12 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
         constexpr bool kCausal = decltype(causal_tag)::value;
         dispatch_bool(params.options, [&](auto options_tag) {
           constexpr bool kOptions = decltype(options_tag)::value;
+          if (params.plan.kernel == FwdKernel::kDecode) {
+            constexpr int kDecodeHeadDim = decode_head_dim(kBucket);
+            err = params.block_table != nullptr ? sm80::run_decode<T, kDecodeHeadDim, true>(params, stream)
+                                                : sm80::run_decode<T, kDecodeHeadDim, false>(params, stream);
+            return;
+          }
 #ifdef FLASHATTN_WITH_SM90
           if constexpr (sm90_fwd_covers(kBucket)) {
             if (params.plan.kernel == FwdKernel::kSm90) {
@@ -199,6 +205,27 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
     });
   });
   return err;
+}
+
+// The plan's workspace (for the caching allocator, which orders its reuse on the stream: the caller keeps it until
+// the launch is enqueued), its leading part zeroed on the stream, its parts given to the params.
+at::Tensor attach_workspace(FwdParams& params, const at::Tensor& q, cudaStream_t stream) {
+  const FwdPlan& plan = params.plan;
+  if (plan.workspace_bytes == 0) return at::Tensor();
+  at::Tensor workspace = at::empty({plan.workspace_bytes}, q.options().dtype(at::kByte));
+  char* base = static_cast<char*>(workspace.data_ptr());
+  if (plan.zeroed_bytes > 0) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, plan.zeroed_bytes, stream));
+  if (plan.kernel == FwdKernel::kDecode) {
+    params.split_out = reinterpret_cast<float*>(base);
+    params.split_lse = params.split_out + static_cast<int64_t>(plan.splits) * params.batch * params.heads *
+                                              params.len_q * plan.head_dim;
+  } else if (plan.schedule == FwdSchedule::kCounter) {
+    params.tile_counter = reinterpret_cast<int*>(base);
+  } else {
+    params.sk_flags = reinterpret_cast<int*>(base);
+    params.sk_partial = reinterpret_cast<float*>(base + plan.zeroed_bytes);
+  }
+  return workspace;
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -239,25 +266,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
   device.tma_maps_q_kv = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
-  TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel == FwdKernel::kSm90,
+  TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel != FwdKernel::kSm80,
               "flashattn.fwd: FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k or v)");
 
-  // The schedule's workspace, its leading part zeroed on the stream (freed after the launch is enqueued: the caching
-  // allocator orders its reuse on the stream).
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor workspace;
-  if (params.plan.workspace_bytes > 0) {
-    workspace = at::empty({params.plan.workspace_bytes}, q.options().dtype(at::kByte));
-    char* base = static_cast<char*>(workspace.data_ptr());
-    C10_CUDA_CHECK(cudaMemsetAsync(base, 0, params.plan.zeroed_bytes, stream));
-    if (params.plan.schedule == FwdSchedule::kCounter) {
-      params.tile_counter = reinterpret_cast<int*>(base);
-    } else {
-      params.sk_flags = reinterpret_cast<int*>(base);
-      params.sk_partial = reinterpret_cast<float*>(base + params.plan.zeroed_bytes);
-    }
-  }
+  const at::Tensor workspace = attach_workspace(params, q, stream);
   const cudaError_t err = launch_fwd(params, is_bf16, bucket, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.fwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
@@ -632,9 +646,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
                                                     const std::optional<at::Tensor>& block_table, bool causal,
                                                     std::optional<double> scale, at::IntArrayRef window_size,
                                                     double softcap, const std::optional<at::Tensor>& sinks,
-                                                    int64_t /*num_splits*/) {
+                                                    int64_t num_splits) {
   constexpr const char* op = "flashattn.fwd_kvcache";
-  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, op);
+  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, op);
   const AttentionShape s{ks.batch, ks.heads, ks.heads_kv, ks.len_q, ks.capacity, ks.head_dim};
   check_cuda_inputs(op, q, k_cache, v_cache, s);
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
@@ -681,9 +695,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     p.page_size = static_cast<int>(ks.page_size);
     p.num_pages = static_cast<int>(ks.num_pages);
   }
-  p.plan.kernel = FwdKernel::kSm80;
-  p.plan.head_dim = bucket;
-  const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, at::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (decode_applies(p, switches())) {
+    p.plan = plan_decode(p, bucket, at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount, num_splits);
+  } else {
+    p.plan.kernel = FwdKernel::kSm80;
+    p.plan.head_dim = bucket;
+  }
+  const at::Tensor workspace = attach_workspace(p, q, stream);
+  const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }

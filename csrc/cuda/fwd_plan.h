@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/decode.h"
 #include "cuda/kernel_table.h"
 #include "cuda/params.h"
 #include "cuda/sm90/tile_scheduler.h"
@@ -27,9 +28,23 @@ inline bool fwd_wants_sm90(int bucket, const FwdDevice& device, const Switches& 
   return device.sm90 && sw.fwd_sm90 != Sm90Use::kOff && sm90_fwd_covers(bucket);
 }
 
+// Whether the decode path takes the call: a few query rows (any GPU, any score modification).
+inline bool decode_applies(const FwdParams& p, const Switches& sw) { return sw.decode && p.len_q <= kDecodeMaxLenQ; }
+
+// The decode path's plan: its head dim, the key splits (`requested` > 0 overrides them) and their workspace.
+inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t requested) {
+  FwdPlan plan{};
+  plan.kernel = FwdKernel::kDecode;
+  plan.head_dim = decode_head_dim(bucket);
+  plan.splits = decode_splits(p.heads_kv, p.heads_per_kv, p.len_q, p.len_k, num_sms, requested);
+  plan.workspace_bytes = decode_workspace_floats(p, plan.splits, plan.head_dim) * static_cast<int64_t>(sizeof(float));
+  return plan;
+}
+
 // `p` holds the call's shapes (its plan is ignored); `deterministic`: torch.use_deterministic_algorithms is on.
 inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw,
                         bool deterministic) {
+  if (decode_applies(p, sw)) return plan_decode(p, bucket, device.num_sms, 0);
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm80;
   plan.head_dim = bucket;

@@ -27,6 +27,9 @@ KERNELS = (
     ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", WITH_OPTIONS_BOTH),
     ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams",
      lambda head_dim: WITH_OPTIONS_BOTH if head_dim <= 128 else WITH_OPTIONS_BOTH[:2]),
+    # The decode path (any GPU from sm80): dense K/V or a paged cache.
+    ("decode", "cuda/sm80/decode_kernel.h", "flashattn::sm80::run_decode", "FwdParams",
+     (("dense", "false"), ("paged", "true"))),
 )
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
@@ -53,6 +56,9 @@ constexpr int sm90_kernel_head_dim(int bucket) {{ return {sm90_route}; }}
 constexpr bool sm90_fwd_covers(int bucket) {{ return bucket >= {fwd_min} && bucket <= {fwd_max}; }}
 constexpr bool sm90_bwd_covers(int bucket) {{ return bucket >= {bwd_min} && bucket <= {bwd_max}; }}
 
+// The decode kernel's head dims (a bucket runs in the smallest that holds it).
+constexpr int decode_head_dim(int bucket) {{ return {decode_route}; }}
+
 }}  // namespace flashattn
 """
 
@@ -69,7 +75,8 @@ def rendered():
     buckets = TABLE["buckets"]
     files = {HERE / "kernel_table.h": HEADER.format(
         buckets=", ".join(map(str, buckets)), bwd_sm80_max=max(TABLE["bwd_sm80"]), sm90_route=route(TABLE["fwd_sm90"]),
-        fwd_min=min(buckets), fwd_max=max(TABLE["fwd_sm90"]), bwd_min=min(buckets), bwd_max=max(TABLE["bwd_sm90"]))}
+        fwd_min=min(buckets), fwd_max=max(TABLE["fwd_sm90"]), bwd_min=min(buckets), bwd_max=max(TABLE["bwd_sm90"]),
+        decode_route=route(TABLE["decode"]))}
     for prefix, header, launcher, params, variants in KERNELS:
         for dtype, ctype in DTYPES.items():
             for head_dim in TABLE[prefix]:

@@ -14,4 +14,7 @@ constexpr int sm90_kernel_head_dim(int bucket) { return bucket <= 64 ? 64 : buck
 constexpr bool sm90_fwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 constexpr bool sm90_bwd_covers(int bucket) { return bucket >= 32 && bucket <= 256; }
 
+// The decode kernel's head dims (a bucket runs in the smallest that holds it).
+constexpr int decode_head_dim(int bucket) { return bucket <= 64 ? 64 : bucket <= 128 ? 128 : 256; }
+
 }  // namespace flashattn

@@ -21,6 +21,10 @@ cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
 inline constexpr int kBwdBlockM = 64;
+
+// The decode path (decode.h): params.plan.splits key splits, then their combine; kPaged: K/V through the block table.
+template <typename T, int HeadDim, bool kPaged>
+cudaError_t run_decode(const FwdParams& params, cudaStream_t stream);
 }  // namespace sm80
 
 // The passes before and after every fused backward (bwd_preprocess.cu, bwd_postprocess.cu).

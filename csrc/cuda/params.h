@@ -7,7 +7,7 @@
 namespace flashattn {
 
 // How a forward call runs, decided once on the host (cuda/fwd_plan.h) before anything is allocated or launched.
-enum class FwdKernel : int { kSm80, kSm90 };
+enum class FwdKernel : int { kSm80, kSm90, kDecode };  // kDecode: few query rows, split over keys (decode.h)
 // The Hopper forward's tile schedules as the host runs them (tile_scheduler.h).
 enum class FwdSchedule : int {
   kStride,   // whole tiles at a fixed stride
@@ -24,6 +24,7 @@ struct FwdPlan {
   int sk_tiles;                     // kStreamK: how many of the last tiles are split
   int64_t workspace_bytes;          // kCounter: the counter; kStreamK: the flags, then the partials
   int64_t zeroed_bytes;             // the leading part of the workspace zeroed before the launch
+  int splits;                       // kDecode: key splits (1: the kernel writes out itself)
 };
 
 struct FwdParams {
@@ -81,6 +82,10 @@ struct FwdParams {
   const int* __restrict__ block_table;
   int64_t block_table_stride;
   int page_size, num_pages;
+  // kDecode with plan.splits > 1: each split's normalised rows (splits, B, H, Lq, the kernel's head dim) and their lse
+  // (splits, B, H, Lq), merged by the combine pass (decode.h).
+  float* split_out;
+  float* split_lse;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).

@@ -23,6 +23,7 @@ struct Switches {
   Sm90Use bwd_sm90 = Sm90Use::kOn;
   bool chunked_bwd = false;      // FLASHATTN_CUDA_BWD=chunked: the chunked backward everywhere
   bool batch_invariant = true;   // FLASHATTN_BATCH_INVARIANT=0 allows the batch-dependent stream-K split
+  bool decode = true;            // FLASHATTN_DECODE=0: short queries run the forward kernels, not the decode path
   FwdScheduleChoice fwd_schedule = FwdScheduleChoice::kAuto;
 };
 
@@ -52,6 +53,7 @@ inline Switches read_switches() {
   s.bwd_sm90 = sm90_use("FLASHATTN_BWD_SM90");
   s.chunked_bwd = read_switch("FLASHATTN_CUDA_BWD", {"fused", "chunked"}, "fused") == "chunked";
   s.batch_invariant = read_switch("FLASHATTN_BATCH_INVARIANT", {"0", "1"}, "1") == "1";
+  s.decode = read_switch("FLASHATTN_DECODE", {"0", "1"}, "1") == "1";
   const std::string schedule =
       read_switch("FLASHATTN_FWD_SCHEDULE", {"auto", "counter", "whole-tiles", "stream-k"}, "auto");
   s.fwd_schedule = schedule == "counter"       ? FwdScheduleChoice::kCounter

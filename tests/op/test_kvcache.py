@@ -191,8 +191,9 @@ def test_opcheck():
         (dict(k=torch.randn(B, HK, 1, 8)), r"k must have shape \(B, Hk, Lnew, D\)"),
         (dict(k_cache=torch.randn(0, HK, 16, D), v_cache=torch.randn(0, HK, 16, D),
               block_table=torch.zeros(B, 1, dtype=torch.int32)), "must hold at least one page"),
+        (dict(num_splits=-1), "num_splits must be >= 0"),
     ],
-    ids=["overflow", "seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages"],
+    ids=["overflow", "seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages", "negative-splits"],
 )
 def test_bad_arguments(change, message):
     k_cache, v_cache = dense_cache()

@@ -289,11 +289,14 @@ std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, tor
   p.scale = 1.0f / std::sqrt(static_cast<float>(q.size(3)));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   p.causal = causal;
-  // The plan the extension makes (the default switches), and its workspace.
+  // The plan the extension makes (the default switches, less the decode path: this probe runs the Hopper kernel),
+  // and its workspace.
   int num_sms = 0;
   cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device());
-  p.plan = flashattn::plan_fwd(p, static_cast<int>(q.size(3)), flashattn::FwdDevice{true, true, num_sms},
-                               flashattn::Switches{}, false);
+  flashattn::Switches switches{};
+  switches.decode = false;
+  p.plan = flashattn::plan_fwd(p, static_cast<int>(q.size(3)), flashattn::FwdDevice{true, true, num_sms}, switches,
+                               false);
   auto workspace = torch::zeros({std::max<int64_t>(p.plan.workspace_bytes, 1)}, q.options().dtype(torch::kByte));
   char* base = static_cast<char*>(workspace.data_ptr());
   if (p.plan.schedule == flashattn::FwdSchedule::kCounter) {

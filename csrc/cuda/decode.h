@@ -1,0 +1,49 @@
+// The decode path's shapes (sm80/decode_kernel.h), decided once and used by the host (plan, grid, workspace) and the
+// kernels alike: a few query rows against many keys, split over the keys, the query heads of a kv head packed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/params.h"
+
+namespace flashattn {
+
+inline constexpr int kDecodeRows = 16;     // packed query rows per CTA (query heads of one kv head x queries)
+inline constexpr int kDecodeBlockN = 64;   // keys per block of the K/V ring
+inline constexpr int kDecodeMaxLenQ = 16;  // the longest query the decode path takes
+inline constexpr int kDecodeMaxSplits = 64;
+inline constexpr int kDecodeMinBlocksPerSplit = 4;
+
+// CTAs per (kv head, batch entry) over the packed rows heads_per_kv * len_q.
+__host__ __device__ constexpr int decode_row_groups(int heads_per_kv, int len_q) {
+  return (heads_per_kv * len_q + kDecodeRows - 1) / kDecodeRows;
+}
+
+// The split over keys, from the shape and the SM count only (never the batch size nor the lengths in a cache), so
+// that a row's bits depend on nothing else in the batch and a captured graph stays valid: enough CTAs for one batch
+// entry to fill the GPU twice, each split at least kDecodeMinBlocksPerSplit blocks. `requested` > 0 overrides it.
+inline int decode_splits(int heads_kv, int heads_per_kv, int len_q, int64_t len_k, int num_sms, int64_t requested) {
+  const int64_t blocks = std::max<int64_t>(1, (len_k + kDecodeBlockN - 1) / kDecodeBlockN);
+  const int64_t most = std::min<int64_t>(kDecodeMaxSplits, blocks);
+  if (requested > 0) return static_cast<int>(std::min(requested, most));
+  const int64_t ctas = static_cast<int64_t>(heads_kv) * decode_row_groups(heads_per_kv, len_q);
+  const int64_t want = (2 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
+  const int64_t cap = std::max<int64_t>(1, std::min(most, blocks / kDecodeMinBlocksPerSplit));
+  return static_cast<int>(std::clamp<int64_t>(want, 1, cap));
+}
+
+// Floats of the splits' workspace: each split's normalised rows (head_dim: the kernel's) and their lse.
+inline int64_t decode_workspace_floats(const FwdParams& p, int splits, int head_dim) {
+  if (splits <= 1) return 0;
+  return static_cast<int64_t>(splits) * p.batch * p.heads * p.len_q * (head_dim + 1);
+}
+
+// Merges the splits' rows (params.split_out / split_lse, rows of `head_dim` floats) into out and lse, in split order,
+// with the sinks (decode_combine.cu).
+template <typename T>
+cudaError_t run_decode_combine(const FwdParams& params, int head_dim, cudaStream_t stream);
+
+}  // namespace flashattn

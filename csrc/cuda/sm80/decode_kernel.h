@@ -1,0 +1,335 @@
+// Split-KV decode forward (sm_80 and newer, Hopper included): a few query rows against a long key sequence or KV
+// cache, where the time is the read of K and V.
+//
+// CTA = (key split, kv head x 16-row group, batch entry). Its 16 rows are the query rows of the kv head's query heads
+// packed together (row r: query r % Lq of query head kv_head * G + r / Lq, G = heads_per_kv), so that one read of a
+// K/V byte serves all of them. The CTA walks its split's 64-key blocks through a kStages-deep cp.async ring (dense
+// rows, or the pages of the block table); each of the 4 warps takes 16 keys of every block with its own online softmax
+// (mma.sync m16n8k16), and the warps merge through shared memory at the end. With one split the CTA writes out and
+// lse; with more it writes its rows' normalised fp32 output and lse, which decode_combine.cu merges in split order.
+// Every row's bits depend on its own inputs, the split count and nothing else in the batch.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <cmath>
+
+#include "cuda/decode.h"
+#include "cuda/params.h"
+#include "cuda/row_epilogue.h"
+#include "cuda/sm80/ptx.h"
+#include "cuda/sm80/tile_io.h"
+
+namespace flashattn::sm80 {
+
+template <int HeadDim>
+struct DecodeTraits {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kRows = kDecodeRows;  // query rows per CTA: one m16 tile, shared by the warps
+  static constexpr int kNWarps = 4;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kBlockN = kDecodeBlockN;  // keys per stage: 16 per warp
+  // Enough bytes in flight to cover the memory latency: 3-4 stages of 64 keys (two CTAs per SM up to D128).
+  static constexpr int kStages = HeadDim <= 64 ? 4 : 3;
+  static constexpr int kSmemStride = HeadDim + 8;  // 16-byte row padding: conflict-free ldmatrix
+  static constexpr int kSmemQ = kRows * kSmemStride;
+  static constexpr int kSmemKV = kBlockN * kSmemStride;
+  // The merge reuses the K/V ring: each warp's fp32 output rows (padded by 8 floats), then row maxima and sums.
+  static constexpr int kMergeStride = HeadDim + 8;
+  static constexpr int kMergeFloats = kNWarps * kRows * (kMergeStride + 2);
+  template <typename T>
+  static constexpr int smem_bytes() {
+    return (kSmemQ + 2 * kStages * kSmemKV) * static_cast<int>(sizeof(T));
+  }
+  template <typename T>
+  static constexpr bool merge_fits() {
+    return kMergeFloats * static_cast<int>(sizeof(float)) <= 2 * kStages * kSmemKV * static_cast<int>(sizeof(T));
+  }
+  static_assert(HeadDim % 16 == 0 && HeadDim <= 256, "decode head dims are multiples of 16 up to 256");
+};
+
+template <typename T, typename Traits, bool kPaged>
+__global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const __grid_constant__ FwdParams p) {
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kStride = Traits::kSmemStride;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kDTiles = kHeadDim / 8;
+  static_assert(Traits::template merge_fits<T>(), "the merge fits in the K/V ring");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* const sQ = reinterpret_cast<T*>(smem_raw);
+  T* const sK = sQ + Traits::kSmemQ;             // [kStages][kBlockN][kStride]
+  T* const sV = sK + kStages * Traits::kSmemKV;  // [kStages][kBlockN][kStride]
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int split = blockIdx.x;
+  const int group_rows = p.heads_per_kv * p.len_q;  // the kv head's packed query rows
+  const int row_groups = (group_rows + kRows - 1) / kRows;
+  const int kv_head = blockIdx.y / row_groups;
+  const int row0 = (blockIdx.y % row_groups) * kRows;
+  const int batch = blockIdx.z;
+
+  // This entry's keys, and those some query of it can see: [n_lo, n_hi). The band is the params' (causal folded in
+  // as right = 0); its bounds for the queries 0 .. Lq - 1 of every head.
+  const int len_k = p.seqlens_k != nullptr ? min(max(__ldg(p.seqlens_k + batch), 0), p.len_k) : p.len_k;
+  const int shift = len_k - p.len_q;
+  const int left = p.window_left, right = p.window_right;
+  const int n_lo = left < 0 ? 0 : min(len_k, max(0, shift - left));
+  const int n_hi = right < 0 ? len_k : max(n_lo, min(len_k, p.len_q - 1 + shift + right + 1));
+  // The split's blocks: the entry's blocks in num_splits equal runs.
+  const int num_blocks = (n_hi - n_lo + kBlockN - 1) / kBlockN;
+  const int per_split = (num_blocks + p.plan.splits - 1) / p.plan.splits;
+  const int b_begin = min(num_blocks, split * per_split);
+  const int b_end = min(num_blocks, b_begin + per_split);
+
+  // A packed row's query head and query.
+  const auto head_of = [&](int r) { return kv_head * p.heads_per_kv + r / p.len_q; };
+  const auto query_of = [&](int r) { return r % p.len_q; };
+
+  // Q rows (zero past the group's rows and the head dim), then the ring's first kStages - 1 blocks.
+  {
+    constexpr int kChunks = kHeadDim / 8;
+    for (int chunk = threadIdx.x; chunk < kRows * kChunks; chunk += Traits::kNThreads) {
+      const int r = chunk / kChunks, col = (chunk % kChunks) * 8;
+      const bool valid = row0 + r < group_rows && col < p.head_dim;
+      const T* src = static_cast<const T*>(p.q);
+      if (valid) {
+        src += batch * p.q_batch_stride + head_of(row0 + r) * p.q_head_stride +
+               static_cast<int64_t>(query_of(row0 + r)) * p.q_row_stride + col;
+      }
+      cp_async_16(sQ + r * kStride + col, src, valid);
+    }
+  }
+  // A paged cache's batch stride is its page stride: its rows are found through the block table.
+  const T* const k_base = static_cast<const T*>(p.k) + (kPaged ? 0 : batch * p.k_batch_stride) +
+                          kv_head * p.k_head_stride;
+  const T* const v_base = static_cast<const T*>(p.v) + (kPaged ? 0 : batch * p.v_batch_stride) +
+                          kv_head * p.v_head_stride;
+  const auto load_kv = [&](int stage, int block) {
+    const int start = n_lo + block * kBlockN;
+    T* const k_stage = sK + stage * Traits::kSmemKV;
+    T* const v_stage = sV + stage * Traits::kSmemKV;
+    if constexpr (kPaged) {
+      const PagedRows rows{p.block_table + static_cast<int64_t>(batch) * p.block_table_stride, p.page_size,
+                           p.num_pages};
+      load_paged_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_batch_stride, p.k_row_stride, rows, start, n_hi,
+                                                p.head_dim);
+      load_paged_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_batch_stride, p.v_row_stride, rows, start, n_hi,
+                                                p.head_dim);
+    } else {
+      load_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_row_stride, start, n_hi, p.head_dim);
+      load_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_row_stride, start, n_hi, p.head_dim);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (b_begin + s < b_end) load_kv(s, b_begin + s);
+    cp_async_commit();  // one group per stage, empty or not, so that the waits below count alike
+  }
+
+  // Per-thread state, in log2 units (the scale folded into the scores): rows lane / 4 and lane / 4 + 8 (h = 0, 1),
+  // columns 2 * (lane % 4) + {0, 1} of each n8 tile.
+  float acc_o[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) acc_o[dt][0] = acc_o[dt][1] = acc_o[dt][2] = acc_o[dt][3] = 0.f;
+  float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  float row_sum[2] = {0.f, 0.f};  // this thread's columns; reduced over the quad at the end
+  uint32_t q_frag[kHeadDim / 16][4];
+
+  const bool softcap = p.options && p.softcap > 0.f;
+  const float cap_scale = softcap ? p.scale / p.softcap : 0.f;
+  const float score_log2 = softcap ? p.softcap * 1.4426950408889634f : p.scale_log2;
+  // Each thread's two rows: their queries' bounds relative to the band (shift + query).
+  int row_last[2], row_first[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int query = query_of(row0 + lane / 4 + 8 * h);
+    row_last[h] = right < 0 ? n_hi - 1 : min(n_hi - 1, query + shift + right);
+    row_first[h] = left < 0 ? 0 : query + shift - left;
+  }
+  const int k_frag_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
+  const int v_frag_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
+
+  for (int block = b_begin; block < b_end; ++block) {
+    const int i = block - b_begin;
+    const int stage = i % kStages;
+    cp_async_wait<kStages - 2>();  // this block's group has landed (this thread's copies)...
+    __syncthreads();               // ...and everyone's; the stage of block - 1 is free again
+    if (i == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        ldmatrix_x4(q_frag[kk], sQ + (lane % 16) * kStride + (lane / 16) * 8 + kk * 16);
+      }
+    }
+    if (block + kStages - 1 < b_end) load_kv((i + kStages - 1) % kStages, block + kStages - 1);
+    cp_async_commit();
+
+    // S = Q K^T for this warp's 16 keys.
+    const T* const k_tile = sK + stage * Traits::kSmemKV + warp * 16 * kStride;
+    float s[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t b[4];
+      ldmatrix_x4(b, k_tile + k_frag_offset + kk * 16);
+      mma_16816<T>(s[0], q_frag[kk], b[0], b[1]);
+      mma_16816<T>(s[1], q_frag[kk], b[2], b[3]);
+    }
+    // Scores in log2 units, -inf where the row may not see the key.
+    const int key0 = n_lo + block * kBlockN + warp * 16 + 2 * (lane % 4);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key0 + 8 * nt + e % 2, h = e / 2;
+        float x = softcap ? fast_tanh(s[nt][e] * cap_scale) * score_log2 : s[nt][e] * score_log2;
+        if (key > row_last[h] || key < row_first[h]) x = -CUDART_INF_F;
+        s[nt][e] = x;
+      }
+    }
+    // Online softmax; P packed as the A operand of P V (16 rows x this warp's 16 keys).
+    uint32_t a[4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      block_max = fmaxf(row_max[h], block_max);
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+      block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+      const float base = block_max == -CUDART_INF_F ? 0.f : block_max;  // no key yet: exponentials stay 0
+      const float rescale = fast_exp2(row_max[h] - base);
+      row_max[h] = block_max;
+      const float p00 = fast_exp2(s[0][2 * h] - base), p01 = fast_exp2(s[0][2 * h + 1] - base);
+      const float p10 = fast_exp2(s[1][2 * h] - base), p11 = fast_exp2(s[1][2 * h + 1] - base);
+      row_sum[h] = row_sum[h] * rescale + (p00 + p01) + (p10 + p11);
+      a[h] = pack2<T>(p00, p01);
+      a[2 + h] = pack2<T>(p10, p11);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[dt][2 * h] *= rescale;
+        acc_o[dt][2 * h + 1] *= rescale;
+      }
+    }
+    // O += P V for the same 16 keys.
+    const T* const v_tile = sV + stage * Traits::kSmemKV + warp * 16 * kStride;
+#pragma unroll
+    for (int dp = 0; dp < kDTiles / 2; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, v_tile + v_frag_offset + dp * 16);
+      mma_16816<T>(acc_o[2 * dp], a, b[0], b[1]);
+      mma_16816<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring, which the merge reuses
+
+  // Merge the warps: their fp32 rows, maxima and sums through shared memory.
+  float* const merge_o = reinterpret_cast<float*>(sK);  // [warp][row][kMergeStride]
+  float* const merge_max = merge_o + Traits::kNWarps * kRows * Traits::kMergeStride;
+  float* const merge_sum = merge_max + Traits::kNWarps * kRows;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = row_sum[h];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const int row = lane / 4 + 8 * h;
+    if (lane % 4 == 0) {
+      merge_max[warp * kRows + row] = row_max[h];
+      merge_sum[warp * kRows + row] = sum;
+    }
+    float* const dst = merge_o + (warp * kRows + row) * Traits::kMergeStride + 2 * (lane % 4);
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
+    }
+  }
+  __syncthreads();
+
+  // Thread t finishes row t / 8, columns (t % 8) * kCols ..: kCols contiguous columns.
+  constexpr int kThreadsPerRow = Traits::kNThreads / kRows;
+  constexpr int kCols = kHeadDim / kThreadsPerRow;
+  static_assert(kCols % 8 == 0, "whole 16-byte chunks of the output row");
+  const int row = threadIdx.x / kThreadsPerRow;
+  const int col0 = (threadIdx.x % kThreadsPerRow) * kCols;
+  if (row0 + row >= group_rows) return;
+  float base = -CUDART_INF_F;
+#pragma unroll
+  for (int w = 0; w < Traits::kNWarps; ++w) base = fmaxf(base, merge_max[w * kRows + row]);
+  float weight[Traits::kNWarps];
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < Traits::kNWarps; ++w) {
+    weight[w] = base == -CUDART_INF_F ? 0.f : exp2f(merge_max[w * kRows + row] - base);
+    sum += merge_sum[w * kRows + row] * weight[w];
+  }
+  float o[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w) {
+      acc += merge_o[(w * kRows + row) * Traits::kMergeStride + col0 + c] * weight[w];
+    }
+    o[c] = acc;
+  }
+
+  const int head = head_of(row0 + row), query = query_of(row0 + row);
+  if (p.plan.splits == 1) {
+    // The whole row: out and lse, with the sink in the denominator.
+    const bool sees_keys = row_sees_band(query, shift, left, right, len_k);
+    float keep = 1.f;
+    const bool sink = p.options && p.sinks != nullptr;
+    if (sink) keep = add_sink(p.sinks[head], base, sum);
+    const float inv = sees_keys ? keep / sum : 0.f;  // a row without keys: out = 0
+    T* const dst = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride +
+                   static_cast<int64_t>(query) * p.o_row_stride + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 8) {
+      if (col0 + c < p.head_dim) {
+        uint4 chunk;
+        chunk.x = pack2<T>(o[c] * inv, o[c + 1] * inv);
+        chunk.y = pack2<T>(o[c + 2] * inv, o[c + 3] * inv);
+        chunk.z = pack2<T>(o[c + 4] * inv, o[c + 5] * inv);
+        chunk.w = pack2<T>(o[c + 6] * inv, o[c + 7] * inv);
+        *reinterpret_cast<uint4*>(dst + c) = chunk;
+      }
+    }
+    if (col0 == 0) {
+      float* const lse = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query;
+      *lse = sink && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum);
+    }
+  } else {
+    // This split's part: the normalised row (0 without keys here) and its lse (-inf without keys); no sink.
+    const bool sees_keys = sum > 0.f || sum != sum;  // a NaN row stays NaN
+    const int64_t part = ((static_cast<int64_t>(split) * p.batch + batch) * p.heads + head) * p.len_q + query;
+    const float inv = sees_keys ? 1.f / sum : 0.f;
+    float* const dst = p.split_out + part * kHeadDim + col0;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 4) {
+      *reinterpret_cast<float4*>(dst + c) = make_float4(o[c] * inv, o[c + 1] * inv, o[c + 2] * inv, o[c + 3] * inv);
+    }
+    if (col0 == 0) p.split_lse[part] = row_lse(sees_keys, base, sum);
+  }
+}
+
+// Launches the decode kernel (and, with several splits, the combine) on `stream`; returns the first CUDA error.
+template <typename T, int HeadDim, bool kPaged>
+cudaError_t run_decode(const FwdParams& params, cudaStream_t stream) {
+  using Traits = DecodeTraits<HeadDim>;
+  auto kernel = flash_decode_kernel<T, Traits, kPaged>;
+  constexpr int kSmemBytes = Traits::template smem_bytes<T>();
+  if constexpr (kSmemBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  const int row_groups = decode_row_groups(params.heads_per_kv, params.len_q);
+  const dim3 grid(params.plan.splits, params.heads_kv * row_groups, params.batch);
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess && params.plan.splits > 1) err = run_decode_combine<T>(params, HeadDim, stream);
+  return err;
+}
+
+}  // namespace flashattn::sm80
