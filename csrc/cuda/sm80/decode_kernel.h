@@ -109,17 +109,40 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
                           kv_head * p.k_head_stride;
   const T* const v_base = static_cast<const T*>(p.v) + (kPaged ? 0 : batch * p.v_batch_stride) +
                           kv_head * p.v_head_stride;
+  // Paged: this thread copies one 16-byte column chunk of kKvSteps rows of each block; their pages are read from the
+  // block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows, never an access
+  // outside it), so that no copy waits for the table.
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;
+  constexpr int kKvSteps = kBlockN / kRowsPerStep;
+  static_assert(kRowsPerStep * kChunksPerRow == Traits::kNThreads && kBlockN % kRowsPerStep == 0, "whole rows");
+  const int kv_row = threadIdx.x / kChunksPerRow, kv_col = (threadIdx.x % kChunksPerRow) * 8;
+  const int* const table = kPaged ? p.block_table + static_cast<int64_t>(batch) * p.block_table_stride : nullptr;
+  int pages[kPaged ? kKvSteps : 1];  // the next block's pages, -1 past n_hi
+  const auto look_up = [&](int block) {
+    const int first = n_lo + block * kBlockN + kv_row;
+#pragma unroll
+    for (int step = 0; step < kKvSteps; ++step) {
+      const int r = first + step * kRowsPerStep;
+      pages[step] = r < n_hi ? min(max(__ldg(table + r / p.page_size), 0), p.num_pages - 1) : -1;
+    }
+  };
   const auto load_kv = [&](int stage, int block) {
     const int start = n_lo + block * kBlockN;
     T* const k_stage = sK + stage * Traits::kSmemKV;
     T* const v_stage = sV + stage * Traits::kSmemKV;
     if constexpr (kPaged) {
-      const PagedRows rows{p.block_table + static_cast<int64_t>(batch) * p.block_table_stride, p.page_size,
-                           p.num_pages};
-      load_paged_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_batch_stride, p.k_row_stride, rows, start, n_hi,
-                                                p.head_dim);
-      load_paged_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_batch_stride, p.v_row_stride, rows, start, n_hi,
-                                                p.head_dim);
+#pragma unroll
+      for (int step = 0; step < kKvSteps; ++step) {
+        const int r = start + kv_row + step * kRowsPerStep;
+        const bool valid = pages[step] >= 0 && kv_col < p.head_dim;
+        const int64_t row_in_page = valid ? r % p.page_size : 0;
+        const int64_t k_offset = pages[step] * p.k_batch_stride + row_in_page * p.k_row_stride + kv_col;
+        const int64_t v_offset = pages[step] * p.v_batch_stride + row_in_page * p.v_row_stride + kv_col;
+        const int dst = (kv_row + step * kRowsPerStep) * kStride + kv_col;
+        cp_async_16(k_stage + dst, valid ? k_base + k_offset : k_base, valid);
+        cp_async_16(v_stage + dst, valid ? v_base + v_offset : v_base, valid);
+      }
     } else {
       load_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_row_stride, start, n_hi, p.head_dim);
       load_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_row_stride, start, n_hi, p.head_dim);
@@ -127,8 +150,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (b_begin + s < b_end) load_kv(s, b_begin + s);
+    if (b_begin + s < b_end) {
+      if constexpr (kPaged) look_up(b_begin + s);
+      load_kv(s, b_begin + s);
+    }
     cp_async_commit();  // one group per stage, empty or not, so that the waits below count alike
+  }
+  if constexpr (kPaged) {
+    if (b_begin + kStages - 1 < b_end) look_up(b_begin + kStages - 1);
   }
 
   // Per-thread state, in log2 units (the scale folded into the scores): rows lane / 4 and lane / 4 + 8 (h = 0, 1),
@@ -165,7 +194,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
         ldmatrix_x4(q_frag[kk], sQ + (lane % 16) * kStride + (lane / 16) * 8 + kk * 16);
       }
     }
-    if (block + kStages - 1 < b_end) load_kv((i + kStages - 1) % kStages, block + kStages - 1);
+    if (block + kStages - 1 < b_end) {
+      load_kv((i + kStages - 1) % kStages, block + kStages - 1);
+      if constexpr (kPaged) {
+        if (block + kStages < b_end) look_up(block + kStages);  // read while this block computes
+      }
+    }
     cp_async_commit();
 
     // S = Q K^T for this warp's 16 keys.
