@@ -96,6 +96,8 @@ def make_extension():
             sources.append(str(path.relative_to(ROOT)))
     sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/bwd_preprocess.cu",
                 "csrc/cuda/bwd_postprocess.cu", "csrc/cuda/decode_combine.cu"]
+    if with_sm90:
+        sources.append("csrc/cuda/sm90/sequences.cu")
 
     # Read by the dispatch in flash_api.cpp (host compiler only: nvcc would split the value at its commas).
     built_headdims = f"-DFLASHATTN_BUILT_HEADDIMS={','.join(map(str, dims))}"

@@ -76,7 +76,7 @@ BAD_CU_SEQLENS = [[0, 1000, 7], [0, -5, 7], [0, 3, 2], [5, 2, 1]]  # for 7 packe
 def run_varlen():
     calls = 0
     for pairs, heads, heads_kv, head_dim in VARLEN_CASES:
-        for mods in [{}] + OPTION_SETS:
+        for mods, causal in [({}, False), ({}, True)] + [(m, True) for m in OPTION_SETS]:
             mods = dict(mods)
             if mods.get("sinks") is not None:
                 mods["sinks"] = torch.linspace(-1, 1, heads, device="cuda").requires_grad_()
@@ -86,7 +86,7 @@ def run_varlen():
             q = torch.randn(int(cu[0][-1]), heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
             k, v = (torch.randn(int(cu[1][-1]), heads_kv, head_dim, device="cuda", dtype=torch.bfloat16,
                                 requires_grad=grad) for _ in range(2))
-            out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu[0], cu[1], causal=True, **mods)
+            out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu[0], cu[1], causal=causal, **mods)
             calls += 1
             if grad:
                 (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()

@@ -184,7 +184,12 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
 #ifdef FLASHATTN_WITH_SM90
           if constexpr (sm90_fwd_covers(kBucket)) {
             if (params.plan.kernel == FwdKernel::kSm90) {
-              err = sm90::run_fwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions>(params, stream);
+              constexpr int kHopperHeadDim = sm90_kernel_head_dim(kBucket);
+              if (params.cu_seqlens_q != nullptr) {
+                if constexpr (kOptions) err = sm90::run_fwd_sm90<T, kHopperHeadDim, kCausal, true, true>(params, stream);
+                return;
+              }
+              err = sm90::run_fwd_sm90<T, kHopperHeadDim, kCausal, kOptions, false>(params, stream);
               return;
             }
           }
@@ -221,6 +226,12 @@ at::Tensor attach_workspace(FwdParams& params, const at::Tensor& q, cudaStream_t
                                               params.len_q * plan.head_dim;
   } else if (plan.schedule == FwdSchedule::kCounter) {
     params.tile_counter = reinterpret_cast<int*>(base);
+  } else if (plan.schedule == FwdSchedule::kSequences) {
+    const sm90::SequencesWorkspace parts = sm90::sequences_workspace(params.batch);
+    params.tile_counter = reinterpret_cast<int*>(base);
+    params.seq_order = reinterpret_cast<int*>(base + parts.order);
+    params.seq_tile_start = reinterpret_cast<int*>(base + parts.tile_start);
+    params.seq_maps = base + parts.maps;
   } else {
     params.sk_flags = reinterpret_cast<int*>(base);
     params.sk_partial = reinterpret_cast<float*>(base + plan.zeroed_bytes);
@@ -522,6 +533,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   at::Tensor out = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
   at::Tensor lse = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
   if (vs.total_q == 0 || vs.heads == 0 || vs.batch == 0) return {out, lse};
+  if (vs.total_k == 0) {  // no sequence has keys: out = 0, lse = -inf or the head's sink
+    out.zero_();
+    if (mods.sinks.has_value()) {
+      lse.copy_(mods.sinks->view({vs.heads, 1}).expand_as(lse));
+    } else {
+      lse.fill_(-std::numeric_limits<float>::infinity());
+    }
+    return {out, lse};
+  }
   const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
 
   FwdParams p{};
@@ -538,9 +558,27 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   p.options = true;
   const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
-  p.plan.kernel = FwdKernel::kSm80;
-  p.plan.head_dim = bucket;
-  const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, at::cuda::getCurrentCUDAStream());
+  // The Hopper sequences kernel where TMA can describe the packed tensors (as one batch entry of all rows), else the
+  // portable one.
+  const bool is_bf16 = q.scalar_type() == at::kBFloat16;
+  const Switches& sw = switches();
+  FwdDevice device{};
+  device.sm90 = sm90_device(q);
+  device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
+  FwdParams all_rows = p;
+  all_rows.batch = 1;
+  if (wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device())) {
+    p.plan = plan_fwd_sequences(p, bucket, device);
+  } else {
+    TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90, op, ": FLASHATTN_FWD_SM90=strict, but the Hopper "
+                "kernel cannot take these inputs (TMA cannot describe the strides of q, k or v)");
+    p.plan.kernel = FwdKernel::kSm80;
+    p.plan.head_dim = bucket;
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor workspace = attach_workspace(p, q, stream);
+  const cudaError_t err = launch_fwd(p, is_bf16, bucket, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   return {out, lse};
 }

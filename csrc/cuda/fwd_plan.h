@@ -9,6 +9,7 @@
 #include "cuda/decode.h"
 #include "cuda/kernel_table.h"
 #include "cuda/params.h"
+#include "cuda/sm90/sequences.h"
 #include "cuda/sm90/tile_scheduler.h"
 #include "cuda/sm90/tile_size.h"
 #include "cuda/switches.h"
@@ -38,6 +39,23 @@ inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t 
   plan.head_dim = decode_head_dim(bucket);
   plan.splits = decode_splits(p.heads_kv, p.heads_per_kv, p.len_q, p.len_k, num_sms, requested);
   plan.workspace_bytes = decode_workspace_floats(p, plan.splits, plan.head_dim) * static_cast<int64_t>(sizeof(float));
+  return plan;
+}
+
+// Packed sequences on Hopper (`p` a packed call's params): one tile shape per head dim, every SM, tiles from a counter
+// in the order the preparation builds on the device.
+inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device) {
+  FwdPlan plan{};
+  plan.kernel = FwdKernel::kSm90;
+  plan.head_dim = sm90_kernel_head_dim(bucket);
+  const sm90::FwdTileShape shape = sm90::fwd_sequences_tile_shape(plan.head_dim, p.causal);
+  plan.consumers = shape.consumers;
+  plan.block_m = shape.block_m;
+  plan.block_n = shape.block_n;
+  plan.schedule = FwdSchedule::kSequences;
+  plan.grid = device.num_sms;
+  plan.workspace_bytes = sm90::sequences_workspace(p.batch).bytes;
+  plan.zeroed_bytes = sizeof(int);
   return plan;
 }
 

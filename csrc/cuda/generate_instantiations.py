@@ -17,6 +17,9 @@ PLAIN = (("noncausal", "false"), ("causal", "true"))
 WITH_OPTIONS = (("noncausal", "false, false"), ("causal", "true, false"), ("options", "false, true"))
 # The Hopper forward's options variants come in both schedules (a band with a right edge runs as causal).
 WITH_OPTIONS_BOTH = WITH_OPTIONS + (("options_causal", "true, true"),)
+# The Hopper forward's also with packed sequences.
+FWD_SM90 = tuple((name, args + ", false") for name, args in WITH_OPTIONS_BOTH) + (
+    ("sequences", "false, true, true"), ("sequences_causal", "true, true, true"))
 # The sm80 kernels' options variant also comes with per-sequence lengths and offsets (packed sequences, a KV cache,
 # ordered dQ): kept out of the others, whose registers it would crowd.
 WITH_SEQUENCES = tuple((name, args + ", false") for name, args in WITH_OPTIONS) + (("sequences", "false, true, true"),)
@@ -24,7 +27,7 @@ WITH_SEQUENCES = tuple((name, args + ", false") for name, args in WITH_OPTIONS) 
 KERNELS = (
     ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", WITH_SEQUENCES),
     ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_SEQUENCES),
-    ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", WITH_OPTIONS_BOTH),
+    ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", FWD_SM90),
     ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams",
      lambda head_dim: WITH_OPTIONS_BOTH if head_dim <= 128 else WITH_OPTIONS_BOTH[:2]),
     # The decode path (any GPU from sm80): dense K/V or a paged cache.

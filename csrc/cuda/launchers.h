@@ -33,7 +33,8 @@ cudaError_t run_bwd_postprocess(const BwdPostprocessParams& params, bool is_bf16
 
 namespace sm90 {
 // As params.plan says (fwd_plan.h); cudaErrorNotSupported where the driver refuses a tensor map or the shared memory.
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+// kSequences (with kOptions): packed sequences (params.cu_seqlens_*, the workspace's seq_* parts).
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
 // kOptions: head dims 64 and 128 only.

@@ -14,6 +14,7 @@ enum class FwdSchedule : int {
   kStreamK,  // the same, the last sk_tiles tiles split over keys between neighbouring CTAs (not batch-invariant)
   kCounter,  // causal: tiles from a zeroed counter, longest first
   kZigzag,   // causal: static zigzag rounds
+  kSequences,  // packed sequences: tiles from a zeroed counter in an order built on the device (sm90/sequences.h)
 };
 struct FwdPlan {
   FwdKernel kernel;
@@ -22,7 +23,8 @@ struct FwdPlan {
   FwdSchedule schedule;             // sm90
   int grid;                         // sm90: persistent CTAs
   int sk_tiles;                     // kStreamK: how many of the last tiles are split
-  int64_t workspace_bytes;          // kCounter: the counter; kStreamK: the flags, then the partials
+  int64_t workspace_bytes;          // kCounter: the counter; kStreamK: the flags, then the partials; kSequences:
+                                    // sm90/sequences.h
   int64_t zeroed_bytes;             // the leading part of the workspace zeroed before the launch
   int splits;                       // kDecode: key splits (1: the kernel writes out itself)
 };
@@ -86,6 +88,13 @@ struct FwdParams {
   // (splits, B, H, Lq), merged by the combine pass (decode.h).
   float* split_out;
   float* split_lse;
+  // Packed sequences on Hopper (the sm90 sequences variants; sm90/sequences.h builds these on the device before the
+  // launch): seq_order, the sequences in the order their tiles run (longest first); seq_tile_start (batch + 1), each
+  // rank's first tile in that order; seq_maps, four CUtensorMaps per sequence (q, k, v, out: its rows only), 128-byte
+  // aligned. The tiles come from tile_counter.
+  int* seq_order;
+  int* seq_tile_start;
+  void* seq_maps;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).

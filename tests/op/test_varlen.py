@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
+from isolated import run_isolated
 from reference import assert_attention_close, assert_grads_close, attention_grads, free_nan_blocks, leaves
 
 fwd_varlen = torch.ops.flashattn.fwd_varlen
@@ -254,6 +255,60 @@ def test_cuda_grads_against_reference(head_dim, mods):
             dsinks += attention_grads(*up, **dict(mods, sinks=sinks.detach().double()))[3].float()
     if sinks is not None:
         torch.testing.assert_close(grads[3], dsinks, rtol=2e-2, atol=2e-2 * max(1.0, dsinks.abs().max().item()))
+
+
+def forward_checked(pairs, head_dim, mods, seed=0):
+    """The packed forward over `pairs` (bf16, H4 / Hk2, strided rows), each sequence checked against the reference.
+    Run in a process of its own to pick a kernel (FLASHATTN_FWD_SM90)."""
+    torch.manual_seed(seed)
+    q, k, v, cu_q, cu_k = packed_inputs(pairs, 4, 2, head_dim, torch.bfloat16, "cuda", "strided")
+    kwargs = mods_for(mods, 4, "cuda")
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(), per_sequence(q, rows_q),
+                               per_sequence(k, rows_k), per_sequence(v, rows_k), **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mods", ["plain", "causal", "softcap-sinks"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_forward_each_kernel(head_dim, mods):
+    # The portable kernel and, on Hopper, the TMA one (strict: it must take the call), both against the reference.
+    pairs = MIXED + [(1000, 1000), (130, 1500)]
+    run_isolated({"FLASHATTN_FWD_SM90": "0"}, "op.test_varlen", "forward_checked", pairs, head_dim, mods)
+    if torch.cuda.get_device_capability() == (9, 0):
+        run_isolated({"FLASHATTN_FWD_SM90": "strict"}, "op.test_varlen", "forward_checked", pairs, head_dim, mods)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cuda_nan_in_other_sequences_never_leaks(causal):
+    # Sequence 1 (tails shorter than a key block and a query tile) packed between sequences full of NaN: its rows are
+    # the same bits as alone. TMA reads of a sequence stop at its last row, and its stores too.
+    q, k, v, cu_q, cu_k = packed_inputs([(200, 300)], 4, 2, 128, torch.bfloat16, "cuda")
+    alone = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
+    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(77, 55), (200, 300), (300, 33)], 4, 2, 128, torch.bfloat16, "cuda")
+    for t in (q2, k2, v2):
+        t.fill_(float("nan"))
+    q2[77:277], k2[55:355], v2[55:355] = q, k, v
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q2, k2, v2, cu_q2, cu_k2, causal=causal)
+    assert torch.equal(out[77:277], alone[0]) and torch.equal(lse[:, 77:277], alone[1])
+
+
+@pytest.mark.cuda
+def test_cuda_many_sequences():
+    # More sequences than the Hopper preparation sorts (they then run in packed order), most of them a few rows long,
+    # and some longer ones: every sequence checked against the reference on a sample.
+    torch.manual_seed(0)
+    lengths = torch.randint(0, 9, (2600,)).tolist()
+    lengths[::400] = [700] * len(lengths[::400])
+    q, k, v, cu_q, cu_k = packed_inputs([(n, n) for n in lengths], 4, 4, 64, torch.bfloat16, "cuda")
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=True)
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        if b % 97 == 0 or rows_q.stop - rows_q.start == 700:
+            assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(),
+                                   per_sequence(q, rows_q), per_sequence(k, rows_k), per_sequence(v, rows_k),
+                                   causal=True)
 
 
 @pytest.mark.cuda

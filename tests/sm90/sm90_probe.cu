@@ -308,8 +308,8 @@ std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, tor
   const auto run = [&](auto head_dim_tag) {
     constexpr int kHeadDim = decltype(head_dim_tag)::value;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    return causal ? flashattn::sm90::run_fwd_sm90<T, kHeadDim, true, false>(p, stream)
-                  : flashattn::sm90::run_fwd_sm90<T, kHeadDim, false, false>(p, stream);
+    return causal ? flashattn::sm90::run_fwd_sm90<T, kHeadDim, true, false, false>(p, stream)
+                  : flashattn::sm90::run_fwd_sm90<T, kHeadDim, false, false, false>(p, stream);
   };
   cudaError_t err = cudaErrorInvalidValue;
   switch (q.size(3)) {

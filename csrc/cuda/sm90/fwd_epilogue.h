@@ -149,14 +149,14 @@ struct FwdEpilogue {
       const int row = tile.m_start + row_in_block0 + 8 * h;
       using Mask = FwdMask<Traits, kCausal>;
       const bool sees_keys = Traits::kOptions
-                                 ? row_sees_band(row, causal_shift, Mask::left(p), Mask::right(p), p.len_k)
+                                 ? row_sees_band(row, causal_shift, Mask::left(p), Mask::right(p), tile.len_k(p))
                                  : row_sees_keys<kCausal>(row, causal_shift);
       float base = softmax.row_max[h] * scale_log2;
       float keep = 1.f;
       const bool sinks = Traits::kOptions && p.sinks != nullptr;
       if (sinks) keep = add_sink(p.sinks[tile.head], base, sum);
       inv[h] = sees_keys ? (Traits::kOptions ? keep / sum : 1.f / sum) : 0.f;  // a row without keys: out = 0
-      if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < p.len_q && lane % 4 == 0) {
+      if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < tile.len_q(p) && lane % 4 == 0) {
         lse_base[row] = sinks && !sees_keys ? p.sinks[tile.head] : row_lse(sees_keys, base, sum);
       }
     }
@@ -224,14 +224,16 @@ struct FwdEpilogue {
     if (lane == 0) {
       const int first_row = tile.m_start + 64 * consumer + 16 * warp;
       // No TMA store before row 0 (tiles that end at L_q).
-      if (store_o && first_row < p.len_q && (!Traits::kTilesEndAtLq || first_row >= 0)) {
+      if (store_o && first_row < tile.len_q(p) && (!Traits::kTilesEndAtLq || first_row >= 0)) {
+        const CUtensorMap* const map = tile.map(&o_map, kSeqMapO, p);
+        if constexpr (Traits::kSequences) fence_tensormap_acquire(map);
         if (one_store) {
-          tma_store_5d(&o_map, warp_rows, 0, first_row, 0, tile.head, tile.batch);
+          tma_store_5d(map, warp_rows, 0, first_row, 0, tile.head, tile.tma_batch());
         } else {
 #pragma unroll
           for (int c = 0; c < Traits::kColumnBlocks; ++c) {
             if (64 * c < p.head_dim) {
-              tma_store_4d(&o_map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.batch);
+              tma_store_4d(map, warp_rows + c * sub_tile, 64 * c, first_row, tile.head, tile.tma_batch());
             }
           }
         }

@@ -10,6 +10,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "cuda/params.h"
 #include "cuda/sm90/fwd_epilogue.h"
 #include "cuda/sm90/fwd_mainloop.h"
@@ -30,10 +32,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr bool kStreamK = Traits::kOrder == TileOrder::kStrideThenStreamK;
   using TileT = Tile<Traits, kCausal>;
-  using Scheduler = FwdScheduler<Traits>;
+  using Scheduler = FwdScheduler<Traits, kCausal>;
 
+  // Packed sequences: the scheduler knows the tiles, and ends with index INT_MAX.
   const int num_m_blocks = (p.len_q + kBlockM - 1) / kBlockM;
-  const int num_tiles = num_m_blocks * p.heads * p.batch;  // flash_api bounds it well below 2^31
+  const int num_tiles = Traits::kSequences ? INT_MAX : num_m_blocks * p.heads * p.batch;  // flash_api: < 2^31
   const int num_n_blocks = (p.len_k + kBlockN - 1) / kBlockN;
 
   extern __shared__ unsigned char smem_raw[];
@@ -51,9 +54,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     Scheduler scheduler(p, num_tiles, num_m_blocks, num_n_blocks);
     FwdWork work = scheduler.first();
     for (int j = 0;; ++j) {
-      if constexpr (Traits::kOrder == TileOrder::kDynamic) scheduler.publish(work, j, smem);
+      if constexpr (Traits::kOrder == TileOrder::kDynamic || Traits::kSequences) scheduler.publish(work, j, smem);
       if (work.index >= num_tiles) break;
-      const TileT tile(work.index, num_m_blocks, p);
+      const TileT tile = tile_of<TileT>(work, scheduler, num_m_blocks, p);
       if constexpr (Traits::kOptions) work.n_begin = tile.n_first;
       if constexpr (!kStreamK) work.n_end = tile.num_n_blocks;
       producer.load(tile, work.n_begin, work.n_end);
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Scheduler scheduler(p, num_tiles, num_m_blocks, num_n_blocks);
   FwdWork work{static_cast<int>(blockIdx.x), 0, 0};
   for (int j = 0; scheduler.next(work, j, smem); ++j) {
-    const TileT tile(work.index, num_m_blocks, p);
+    const TileT tile = tile_of<TileT>(work, scheduler, num_m_blocks, p);
     if constexpr (Traits::kOptions) work.n_begin = tile.n_first;
     if constexpr (!kStreamK) work.n_end = tile.num_n_blocks;
     if (tile.num_n_blocks == 0) {  // no row of this tile sees a key

@@ -9,45 +9,86 @@
 #include "cuda/params.h"
 #include "cuda/sm90/fwd_kernel.h"
 #include "cuda/sm90/fwd_traits.h"
+#include "cuda/sm90/sequences.h"
+#include "cuda/sm90/tile_size.h"
 #include "cuda/sm90/tma.h"
 
 namespace flashattn::sm90 {
+
+// Packed sequences: the preparation (sequences.h), from the maps over the whole packed q, k, v and out.
+template <typename Traits>
+cudaError_t prepare_fwd_sequences(const FwdParams& params, const CUtensorMap& q_map, const CUtensorMap& k_map,
+                                  const CUtensorMap& v_map, const CUtensorMap& o_map, cudaStream_t stream) {
+  SequencesPrepParams prep{};
+  prep.cu_seqlens_q = params.cu_seqlens_q;
+  prep.cu_seqlens_k = params.cu_seqlens_k;
+  prep.batch = params.batch;
+  prep.heads = params.heads;
+  prep.total_q = params.len_q;
+  prep.total_k = params.len_k;
+  prep.block_m = Traits::kBlockM;
+  prep.q = static_cast<const char*>(params.q);
+  prep.k = static_cast<const char*>(params.k);
+  prep.v = static_cast<const char*>(params.v);
+  prep.out = static_cast<char*>(params.out);
+  prep.q_row_bytes = params.q_row_stride * 2;
+  prep.k_row_bytes = params.k_row_stride * 2;
+  prep.v_row_bytes = params.v_row_stride * 2;
+  prep.o_row_bytes = params.o_row_stride * 2;
+  prep.order = params.seq_order;
+  prep.tile_start = params.seq_tile_start;
+  prep.maps = static_cast<CUtensorMap*>(params.seq_maps);
+  const CUtensorMap templates[kSeqMaps] = {q_map, k_map, v_map, o_map};
+  return prepare_sequences(prep, templates, stream);
+}
 
 template <typename T, typename Traits, bool kCausal>
 cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;
   if (plan.block_m != Traits::kBlockM || plan.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  // Packed sequences: maps over all rows as one batch entry (the preparation cuts each sequence's from them).
+  FwdParams shape = params;
+  if constexpr (Traits::kSequences) shape.batch = 1;
   CUtensorMap q_map, k_map, v_map, o_map{};
   // The plan checked the maps' rules (tma.h: tma_can_map); the driver refusing one is unexpected.
-  if (!make_qkv_maps(params, kBf16, Traits::kBlockM / Traits::kQParts, Traits::kBlockN, &q_map, &k_map, &v_map)) {
+  if (!make_qkv_maps(shape, kBf16, Traits::kBlockM / Traits::kQParts, Traits::kBlockN, &q_map, &k_map, &v_map)) {
     return cudaErrorNotSupported;
   }
   // O in boxes of one warp's 16 rows, all its columns in one where the kernel stores them so (the output is ours,
   // contiguous).
-  const bool o_mapped = Traits::o_one_store(params.head_dim)
-                            ? make_bhld_column_block_map(&o_map, params.out, kBf16, params.batch, params.heads,
-                                                         params.len_q, params.head_dim, params.o_batch_stride,
-                                                         params.o_head_stride, params.o_row_stride, 16,
+  const bool o_mapped = Traits::o_one_store(shape.head_dim)
+                            ? make_bhld_column_block_map(&o_map, shape.out, kBf16, shape.batch, shape.heads,
+                                                         shape.len_q, shape.head_dim, shape.o_batch_stride,
+                                                         shape.o_head_stride, shape.o_row_stride, 16,
                                                          Traits::kColumnBlocks)
-                            : make_bhld_map(&o_map, params.out, kBf16, params.batch, params.heads, params.len_q,
-                                            params.head_dim, params.o_batch_stride, params.o_head_stride,
-                                            params.o_row_stride, 16);
+                            : make_bhld_map(&o_map, shape.out, kBf16, shape.batch, shape.heads, shape.len_q,
+                                            shape.head_dim, shape.o_batch_stride, shape.o_head_stride,
+                                            shape.o_row_stride, 16);
   if (!o_mapped) return cudaErrorNotSupported;
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   static_assert(sizeof(T) == 2, "16-bit elements");
   if (!allow_dynamic_smem(kernel, Traits::kSmemBytes)) return cudaErrorNotSupported;
+  if constexpr (Traits::kSequences) {
+    const cudaError_t err = prepare_fwd_sequences<Traits>(params, q_map, k_map, v_map, o_map, stream);
+    if (err != cudaSuccess) return err;
+  }
   kernel<<<plan.grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(q_map, k_map, v_map, o_map, params);
   return cudaGetLastError();
 }
 
 // Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says (kOptions: the variant with
-// windows, softcap and sinks). Returns cudaErrorInvalidValue where the plan names a variant this head dim does not
-// have, cudaErrorNotSupported where the driver refuses a tensor map or the shared memory; launches nothing then.
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+// windows, softcap and sinks; kSequences: with packed sequences too). Returns cudaErrorInvalidValue where the plan names
+// a variant this head dim does not have, cudaErrorNotSupported where the driver refuses a tensor map or the shared
+// memory; launches nothing then.
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;
-  if constexpr (HeadDim == 64) {
+  if constexpr (kSequences) {  // one shape per head dim (tile_size.h: fwd_sequences_tile_shape)
+    constexpr FwdTileShape kShape = fwd_sequences_tile_shape(HeadDim, kCausal);
+    using Traits = FwdTraits<HeadDim, kCausal, kShape.block_n, kShape.consumers, true, true>;
+    return launch_fwd_sm90<T, Traits, kCausal>(params, stream);
+  } else if constexpr (HeadDim == 64) {
     if constexpr (kCausal) {
       if (plan.consumers == 3) {
         return launch_fwd_sm90<T, FwdTraits<64, true, 128, 3, kOptions>, true>(params, stream);

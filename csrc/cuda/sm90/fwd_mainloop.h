@@ -111,8 +111,10 @@ struct FwdProducer {
   // A bit per stage: the stage's V (K) holds the last (first) consumer's staged O, and the parity of its release.
   uint32_t o_in_v = 0, o_in_v_parity = 0;
   uint32_t o_in_k = 0, o_in_k_parity = 0;
-  // K ahead of V: a block's V is requested after the next block's K; its first key row, kv head and batch wait here.
+  // K ahead of V: a block's V is requested after the next block's K; its first key row, kv head and batch (and map,
+  // with packed sequences) wait here.
   int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
+  const CUtensorMap* held_v_map = nullptr;
 
   // Before a stage holding a staged O (its bit in `holds`) is reloaded, the O has to have left (`freed[stage]`).
   __device__ static void wait_staged_o_left(uint32_t& holds, uint32_t& parity, uint64_t* freed, int stage) {
@@ -124,14 +126,14 @@ struct FwdProducer {
   }
 
   // V of the block whose K was load number `count`.
-  __device__ void load_v(int count, int row, int kv_head, int batch) {
+  __device__ void load_v(int count, const CUtensorMap* map, int row, int kv_head, int batch) {
     const int stage = count % kStages;
     const int use = count / kStages;
     if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
     if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
     mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
     for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-      tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row, kv_head,
+      tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, map, &smem.v_full[stage], 64 * c, row, kv_head,
                   batch);
     }
   }
@@ -139,6 +141,15 @@ struct FwdProducer {
   // Q and key blocks n_begin .. n_end - 1 of `tile`.
   template <typename TileT>
   __device__ void load(const TileT& tile, int n_begin, int n_end) {
+    const CUtensorMap* const q_tile_map = tile.map(&q_map, kSeqMapQ, p);
+    const CUtensorMap* const k_tile_map = tile.map(&k_map, kSeqMapK, p);
+    const CUtensorMap* const v_tile_map = tile.map(&v_map, kSeqMapV, p);
+    const int batch = tile.tma_batch();
+    if constexpr (Traits::kSequences) {  // maps written on the device before the launch
+      fence_tensormap_acquire(q_tile_map);
+      fence_tensormap_acquire(k_tile_map);
+      fence_tensormap_acquire(v_tile_map);
+    }
     if (n_end > n_begin) {
       const int q_stage = q_loads % Traits::kQStages;
       const int q_use = q_loads / Traits::kQStages;
@@ -149,8 +160,8 @@ struct FwdProducer {
         if (q_use > 0) mbarrier_wait(&smem.q_empty[q_stage * Traits::kQParts + part], (q_use - 1) & 1);
         mbarrier_arrive_expect_tx(full, Traits::kTileQ / Traits::kQParts * sizeof(T));
         for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-          tma_load_4d(smem.q_stage(q_stage) + c * Traits::kSubTileQ + part * kPartRows * 64, &q_map, full, 64 * c,
-                      tile.m_start + part * kPartRows, tile.head, tile.batch);
+          tma_load_4d(smem.q_stage(q_stage) + c * Traits::kSubTileQ + part * kPartRows * 64, q_tile_map, full, 64 * c,
+                      tile.m_start + part * kPartRows, tile.head, batch);
         }
       }
     }
@@ -163,13 +174,14 @@ struct FwdProducer {
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
         for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-          tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c,
-                      tile.key_start(n_block), tile.kv_head(p), tile.batch);
+          tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c,
+                      tile.key_start(n_block), tile.kv_head(p), batch);
         }
-        if (kv_loads > 0) load_v(kv_loads - 1, held_v_row, held_v_head, held_v_batch);
+        if (kv_loads > 0) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch);
         held_v_row = tile.key_start(n_block);
         held_v_head = tile.kv_head(p);
-        held_v_batch = tile.batch;
+        held_v_batch = batch;
+        if constexpr (Traits::kSequences) held_v_map = v_tile_map;
         continue;
       }
       const int stage = kv_loads % kStages;
@@ -179,23 +191,23 @@ struct FwdProducer {
       if constexpr (Traits::kFirstOInK) wait_staged_o_left(o_in_k, o_in_k_parity, smem.o_in_k_free, stage);
       mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
       for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, &k_map, &smem.k_full[stage], 64 * c, row,
-                    tile.kv_head(p), tile.batch);
+        tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c, row,
+                    tile.kv_head(p), batch);
       }
       if constexpr (Traits::kLoadOrder == KvLoadOrder::kKAheadInTile) {  // the V of the block before
-        if (n_block > n_begin) load_v(kv_loads - 1, row - Traits::kBlockN, tile.kv_head(p), tile.batch);
+        if (n_block > n_begin) load_v(kv_loads - 1, v_tile_map, row - Traits::kBlockN, tile.kv_head(p), batch);
         continue;
       }
       if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
       if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
       mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
       for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, &v_map, &smem.v_full[stage], 64 * c, row,
-                    tile.kv_head(p), tile.batch);
+        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, v_tile_map, &smem.v_full[stage], 64 * c, row,
+                    tile.kv_head(p), batch);
       }
     }
     if (Traits::kLoadOrder == KvLoadOrder::kKAheadInTile && n_end > n_begin) {  // the tile's last V, before its stage
-      load_v(kv_loads - 1, tile.key_start(n_end - 1), tile.kv_head(p), tile.batch);  // is marked as O's
+      load_v(kv_loads - 1, v_tile_map, tile.key_start(n_end - 1), tile.kv_head(p), batch);  // is marked as O's
     }
     if (Traits::kLastOInV && n_end > n_begin) o_in_v |= 1u << ((kv_loads - 1) % kStages);  // the tile's last block
     if (Traits::kFirstOInK && n_end > n_begin) o_in_k |= 1u << ((kv_loads - 1) % kStages);
@@ -204,9 +216,10 @@ struct FwdProducer {
   // After the last tile: the V still held back.
   __device__ void finish() {
     if constexpr (Traits::kLoadOrder == KvLoadOrder::kKAheadAcrossTiles) {
-      if (kv_loads > 0) load_v(kv_loads - 1, held_v_row, held_v_head, held_v_batch);  // the last block's V
+      if (kv_loads > 0) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch);  // the last V
     }
   }
+  __device__ const CUtensorMap* held_map() const { return Traits::kSequences ? held_v_map : &v_map; }
 };
 
 // ---- consumer -------------------------------------------------------------------------------------------------------
@@ -234,7 +247,7 @@ struct FwdConsumer {
   const int row_in_block0;  // the thread's first row in the tile (+ 8 for its second)
   const bool negate;        // a negative scale (no softcap): scores negated, scale_log2 made positive
   const float scale_log2;
-  const int causal_shift;
+  int causal_shift;         // L_k - L_q: the call's, or (packed sequences) the current tile's
   int q_loads = 0, kv_loads = 0;
   int n_begin = 0;  // the current tile's first key block: kv_loads counts from it
 
@@ -307,6 +320,7 @@ struct FwdConsumer {
   template <typename TileT>
   __device__ ConsumerTile begin_tile(const TileT& tile, const FwdWork& work) {
     n_begin = work.n_begin;
+    if constexpr (Traits::kSequences) causal_shift = tile.causal_shift(p);
     const int q_stage = q_loads % Traits::kQStages;
     return {work.n_begin, work.n_end,
             Mask::consumer_n_end(tile.m_start, consumer, causal_shift, work.n_begin, tile.num_n_blocks, work.n_end, p),
@@ -319,7 +333,7 @@ struct FwdConsumer {
   __device__ bool skip_rowless(const TileT& tile, const ConsumerTile& ct, Epilogue& epilogue) {
     if constexpr (Traits::kSkipRowlessConsumers) {
       const int first_row = tile.m_start + 64 * consumer;
-      if (first_row >= p.len_q || (Traits::kTilesEndAtLq && first_row + 64 <= 0)) {
+      if (first_row >= tile.len_q(p) || (Traits::kTilesEndAtLq && first_row + 64 <= 0)) {
         mbarrier_wait(&smem.q_full[ct.q_barrier], (q_loads / Traits::kQStages) & 1);
         ++q_loads;
         if (!Traits::kFirstOInQ || lane == 0) mbarrier_arrive(&smem.q_empty[ct.q_barrier]);
@@ -340,7 +354,9 @@ struct FwdConsumer {
   __device__ void mma(const TileT& tile, ConsumerTile& ct, float (&o)[kHeadDim / 2], RowSoftmax<kBlockN>& softmax,
                       Epilogue& epilogue) {
     const int n_end = ct.n_end, my_n_end = ct.my_n_end, q_stage = ct.q_stage, q_barrier = ct.q_barrier;
-    const auto needs_mask = [&](int n_start) { return Mask::needs_mask(n_start, tile.m_start, causal_shift, p); };
+    const auto needs_mask = [&](int n_start) {
+      return Mask::needs_mask(n_start, tile.m_start, causal_shift, tile.len_k(p), p);
+    };
 
     float s[kBlockN / 2];
     uint32_t p_frag[kBlockN / 16][4];
@@ -377,7 +393,7 @@ struct FwdConsumer {
     const bool q_free_after_s = !kQInRegisters && (!Traits::kFirstOInQ || (epilogue.my_o_in_v && lane == 0));
     if (q_free_after_s && my_n_end - n_begin == 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
     const int first_start = tile.key_start(n_begin);
-    Mask::cols(first_start, tile.m_start, row_in_block0, causal_shift, lane, p, first_col, last_col);
+    Mask::cols(first_start, tile.m_start, row_in_block0, causal_shift, tile.len_k(p), lane, p, first_col, last_col);
     cap(s);
     // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
     // under either rule): no lazy test, which here only costs registers.
@@ -405,7 +421,7 @@ struct FwdConsumer {
         mbarrier_arrive(&smem.k_empty[stage]);
         if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
-      Mask::cols(n_start, tile.m_start, row_in_block0, causal_shift, lane, p, first_col, last_col);
+      Mask::cols(n_start, tile.m_start, row_in_block0, causal_shift, tile.len_k(p), lane, p, first_col, last_col);
       cap(s);
       // Then wait for P[n-1] V[n-1]: O and the P registers are free again.
       const auto wait_pv = [&] {

@@ -1,7 +1,8 @@
 // The Hopper forward's compile-time shape and policies (FwdTraits) and its shared-memory layout (SharedStorage).
-// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options> (tile_size.h picks them per
-// call); every other choice below follows from those and from the 227 KB of shared memory. The options variants take
-// a sliding window, softcap and sinks (FwdParams' score modifications); their Causal means a band with a right edge.
+// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options, sequences> (tile_size.h picks
+// them per call); every other choice below follows from those and from the 227 KB of shared memory. The options
+// variants take a sliding window, softcap and sinks (FwdParams' score modifications); their Causal means a band with a
+// right edge. The sequences variants (options too) take packed sequences, each tile's lengths and tensor maps its own.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "cuda/sm90/ptx.h"
+#include "cuda/sm90/sequences.h"
 #include "cuda/sm90/tile_size.h"
 
 namespace flashattn::sm90 {
@@ -37,15 +39,18 @@ enum class ExpPolicy {
 // Where S = Q K^T reads Q from.
 enum class QOperand { kSharedMemory, kRegisters };
 
-template <int HeadDim, bool Causal, int BlockN, int Consumers, bool Options = false>
+template <int HeadDim, bool Causal, int BlockN, int Consumers, bool Options = false, bool Sequences = false>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kConsumers = Consumers;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = BlockN;
   static constexpr bool kOptions = Options;
+  static constexpr bool kSequences = Sequences;
 
-  static constexpr TileOrder kOrder = fwd_tile_order(HeadDim, Causal, Options);
+  static constexpr TileOrder kOrder = fwd_tile_order(HeadDim, Causal, Options, Sequences);
+  // The producer's mailbox slot: a tile index, or (packed sequences) the decoded tile (tile_scheduler.h: SeqTile).
+  static constexpr int kMailboxInts = Sequences ? static_cast<int>(sizeof(SeqTile) / sizeof(int)) : 1;
   // K/V stages: three at D64, where a tile's key blocks are shortest; two at D128 and D256, which fill shared memory.
   static constexpr int kStages = HeadDim == 64 ? 3 : 2;
   // D128 without a mask has room for one more K stage (not a K/V pair) beside its O buffers: K runs a block ahead of
@@ -90,7 +95,7 @@ struct FwdTraits {
   static constexpr int kMaxSmemBytes = 227 * 1024;
   // Room for the mbarriers, the tile mailbox and the scratch word (checked below): three consumers with three K/V
   // stages need 268 bytes.
-  static constexpr int kBarrierBytes = kConsumers == 3 && kStages == 3 ? 512 : 256;
+  static constexpr int kBarrierBytes = (kConsumers == 3 && kStages == 3) || Sequences ? 512 : 256;
   static constexpr int kPipelineBytes =
       (kQStages * kTileQ + (kKStages + kStages) * kTileKV) * 2 + 1024 /* alignment */ + kBarrierBytes;
   // O staging: a buffer per consumer where shared memory has room for them; else one (the first consumer's) and the
@@ -126,6 +131,7 @@ struct FwdTraits {
   static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "the Hopper forward covers head dims 64, 128, 256");
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
+  static_assert(!Sequences || (Options && !kTilesEndAtLq), "packed sequences: an options variant, tiles from row 0");
   static_assert(kSmemBytes <= kMaxSmemBytes, "Q, the K/V stages and O exceed the 227 KB of shared memory per block");
   static_assert(!(kQOperand == QOperand::kRegisters) || !kFirstOInQ,
                 "with Q in registers its shared memory is released before the epilogue");
@@ -142,7 +148,7 @@ struct FwdTraits {
   static_assert(!kSkipBlocksPastRows || (kBlockM - 64 + kBlockN - 1) / kBlockN < kStages,
                 "a consumer would skip as many key blocks as there are stages");
   static_assert((2 * kQStages * kQParts + 2 * kKStages + 2 * kStages + 4 * kOBuffers + (kLastOInV ? kStages : 0) +
-                 (kFirstOInK ? kKStages : 0) + 4) * 8 + 3 * 4 <= kBarrierBytes,
+                 (kFirstOInK ? kKStages : 0) + 4) * 8 + (2 * kMailboxInts + 1) * 4 <= kBarrierBytes,
                 "the mbarriers, the tile mailbox and the scratch word exceed kBarrierBytes");
   // K ahead of V across tiles counts K and V stages apart, which O staged in the rings and skipped blocks do not.
   static_assert(kLoadOrder != KvLoadOrder::kKAheadAcrossTiles ||
@@ -178,7 +184,7 @@ struct SharedStorage {
   uint64_t* o_in_k_free;  // [kKStages] with O in K: the same for K stage s
   uint64_t* tile_full;    // [2]: the producer published the next tile index in tile_index[slot]
   uint64_t* tile_empty;   // [2]: every consumer has read it
-  int* tile_index;        // [2]
+  int* tile_index;        // [2][kMailboxInts]
   uint32_t* scratch;      // target of keep_before_wgmma_wait's never-taken store
 
   __device__ explicit SharedStorage(unsigned char* raw) {
@@ -201,7 +207,7 @@ struct SharedStorage {
     tile_full = o_in_k_free + (Traits::kFirstOInK ? Traits::kKStages : 0);
     tile_empty = tile_full + 2;
     tile_index = reinterpret_cast<int*>(tile_empty + 2);
-    scratch = reinterpret_cast<uint32_t*>(tile_index + 2);
+    scratch = reinterpret_cast<uint32_t*>(tile_index + 2 * Traits::kMailboxInts);
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* k_stage(int stage) const { return k + stage * Traits::kTileKV; }

@@ -1,7 +1,8 @@
 // The Hopper forward's mask: which key blocks a tile and a consumer's rows see (the n-block range) and which scores of
 // a block are masked (the element mask). Bottom-right causal: query i sees key j iff j <= i + L_k - L_q. The options
 // variants (Traits::kOptions) take a band instead: i + shift - left <= j <= i + shift + right (shift = L_k - L_q),
-// right = -1 unbounded in the non-causal variant, left = -1 unbounded.
+// right = -1 unbounded in the non-causal variant, left = -1 unbounded. L_q and L_k are the tile's (Tile::len_q, len_k):
+// the call's, or its sequence's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,12 +19,12 @@ struct FwdMask {
   __device__ static int right(const FwdParams& p) { return kCausal ? (Traits::kOptions ? p.window_right : 0) : -1; }
 
   // Key blocks n_first(m_first) .. num_n_blocks(m_end) - 1 hold every key that the rows m_first .. m_end - 1 see.
-  __device__ static int num_n_blocks(int m_end, const FwdParams& p) {
-    const int n_end = right(p) < 0 ? p.len_k : max(0, min(p.len_k, m_end + p.len_k - p.len_q + right(p)));
+  __device__ static int num_n_blocks(int m_end, int len_q, int len_k, const FwdParams& p) {
+    const int n_end = right(p) < 0 ? len_k : max(0, min(len_k, m_end + len_k - len_q + right(p)));
     return (n_end + Traits::kBlockN - 1) / Traits::kBlockN;
   }
-  __device__ static int n_first(int m_first, const FwdParams& p) {
-    return left(p) < 0 ? 0 : min(p.len_k, max(0, m_first + p.len_k - p.len_q - left(p))) / Traits::kBlockN;
+  __device__ static int n_first(int m_first, int len_q, int len_k, const FwdParams& p) {
+    return left(p) < 0 ? 0 : min(len_k, max(0, m_first + len_k - len_q - left(p))) / Traits::kBlockN;
   }
 
   // The end of the blocks a consumer computes, from those of its tile (num_n_blocks, or its share n_end with stream-K):
@@ -40,20 +41,20 @@ struct FwdMask {
   // Whether the block starting at key n_start needs the element mask: it reaches past L_k, past the right edge of the
   // tile's first row, or before the left edge of its last row (rows before 0 or past L_q: more blocks masked, never
   // fewer).
-  __device__ static bool needs_mask(int n_start, int m_start, int causal_shift, const FwdParams& p) {
-    return n_start + Traits::kBlockN > p.len_k ||
+  __device__ static bool needs_mask(int n_start, int m_start, int causal_shift, int len_k, const FwdParams& p) {
+    return n_start + Traits::kBlockN > len_k ||
            (right(p) >= 0 && n_start + Traits::kBlockN - 1 > m_start + causal_shift + right(p)) ||
            (left(p) >= 0 && n_start < m_start + Traits::kBlockM - 1 + causal_shift - left(p));
   }
 
   // The first and last key column each of the thread's two rows (row_in_tile, + 8) may see, relative to the block at
   // n_start and to the lane's first column (RowSoftmax::mask masks the columns outside them).
-  __device__ static void cols(int n_start, int m_start, int row_in_tile, int causal_shift, int lane, const FwdParams& p,
-                              int (&first_col)[2], int (&last_col)[2]) {
+  __device__ static void cols(int n_start, int m_start, int row_in_tile, int causal_shift, int len_k, int lane,
+                              const FwdParams& p, int (&first_col)[2], int (&last_col)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int diagonal = m_start + row_in_tile + 8 * h + causal_shift;
-      int last = p.len_k - 1;
+      int last = len_k - 1;
       if (right(p) >= 0) last = min(last, diagonal + right(p));
       last_col[h] = last - n_start - 2 * (lane % 4);
       first_col[h] = left(p) < 0 ? INT_MIN : diagonal - left(p) - n_start - 2 * (lane % 4);

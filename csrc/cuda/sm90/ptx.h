@@ -184,6 +184,29 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// ---- tensor maps in global memory (built on the device for packed sequences) ------------------------------------
+
+// A 128-byte-aligned tensor map in global memory given another base address, or another extent of dimension kDim.
+__device__ __forceinline__ void tensormap_replace_address(void* map, const void* address) {
+  asm volatile("tensormap.replace.tile.global_address.global.b1024.b64 [%0], %1;\n" ::"l"(map),
+               "l"(reinterpret_cast<uint64_t>(address))
+               : "memory");
+}
+template <int kDim>
+__device__ __forceinline__ void tensormap_replace_dim(void* map, uint32_t extent) {
+  asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;\n" ::"l"(map), "n"(kDim),
+               "r"(extent)
+               : "memory");
+}
+// Tensor maps written by threads (generic proxy), then read by TMA (tensormap proxy): the writer releases them, and
+// each thread that issues TMA with a map acquires it (this also drops a stale copy of the address from the TMA unit).
+__device__ __forceinline__ void fence_tensormap_release() {
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_tensormap_acquire(const void* map) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
+
 // ---- warp specialisation -----------------------------------------------------------------------------------------
 
 // Register reallocation between warpgroups (needs a register cap at kernel entry: __launch_bounds__(n, 1)).

@@ -3,11 +3,14 @@
 //   StrideScheduler    no mask: CTA c takes tiles c, c + grid, ... (static_grid picks the grid);
 //   StreamKScheduler   the same, then a share of the last tiles' key blocks (stream_k_tiles: how many tiles);
 //   DynamicScheduler   causal: tiles from a counter in counter_order, or in zigzag rounds (causal_zigzag_grid);
-//                      the producer takes them and passes each index to the consumers through a mailbox.
+//                      the producer takes them and passes each index to the consumers through a mailbox;
+//   SequenceScheduler  packed sequences: tiles from a counter in the order sequences.h built, each decoded by the
+//                      producer and passed on whole.
 // Tiles are numbered with the query block fastest, so the CTAs at work at one time share K/V in L2.
 // The host half compiles anywhere (flash_api.cpp plans with it); the device half only under nvcc.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <numeric>  // std::gcd
 
@@ -16,10 +19,12 @@
 
 #include <type_traits>
 
+#include "cuda/packed.h"
 #include "cuda/params.h"
 #include "cuda/sm90/fwd_traits.h"
 #include "cuda/sm90/mask.h"
 #include "cuda/sm90/ptx.h"
+#include "cuda/sm90/sequences.h"
 #endif
 
 namespace flashattn::sm90 {
@@ -109,11 +114,16 @@ constexpr int64_t stream_k_partial_floats(int head_dim) { return 32 * (head_dim 
 // One output tile: a block of kBlockM query rows of one (batch, head), and the key blocks it sees. Only what the main
 // loop needs is kept; the rest is derived where it is used (the consumers are short of registers). Where tiles end at
 // L_q (kTilesEndAtLq) a head's first tile starts at a negative row (L_q mod 192 in 1..176): TMA zero-fills those rows
-// of Q, the consumers without rows there compute nothing, and no O or lse is stored for them.
+// of Q, the consumers without rows there compute nothing, and no O or lse is stored for them. With packed sequences
+// (Traits::kSequences) rows and keys count from the sequence's first, batch is the sequence, and TMA goes through the
+// sequence's own maps (sequences.h) at batch coordinate 0.
 template <typename Traits, bool kCausal>
 struct Tile {
+  using Mask = FwdMask<Traits, kCausal>;
+  static constexpr bool kSequences = Traits::kSequences;
   int m_start, head, batch, num_n_blocks;
   int n_first = 0;  // the first key block its rows see (a band's left edge); none seen: num_n_blocks = 0
+  int q_offset = 0, seq_len_q = 0, seq_len_k = 0;  // packed sequences: the sequence's first row in q, and lengths
 
   // Under a causal mask each head's longest rows come first.
   __device__ Tile(int index, int num_m_blocks, const FwdParams& p) {
@@ -126,24 +136,47 @@ struct Tile {
     const int rows_before_zero =
         Traits::kTilesEndAtLq ? (num_m_blocks * Traits::kBlockM - p.len_q) / 16 * 16 : 0;
     m_start = m_block * Traits::kBlockM - rows_before_zero;
-    num_n_blocks = FwdMask<Traits, kCausal>::num_n_blocks(m_end(p), p);
+    set_key_blocks(p);
+  }
+  // Packed sequences: the tile the producer decoded.
+  __device__ Tile(const SeqTile& t, const FwdParams& p)
+      : m_start(t.m_block * Traits::kBlockM), head(t.head), batch(t.batch), q_offset(t.q_offset), seq_len_q(t.len_q),
+        seq_len_k(t.len_k) {
+    set_key_blocks(p);
+  }
+  __device__ void set_key_blocks(const FwdParams& p) {
+    num_n_blocks = Mask::num_n_blocks(m_end(p), len_q(p), len_k(p), p);
     if constexpr (Traits::kOptions) {
-      n_first = FwdMask<Traits, kCausal>::n_first(m_first(), p);
+      n_first = Mask::n_first(m_first(), len_q(p), len_k(p), p);
       if (n_first >= num_n_blocks) num_n_blocks = n_first = 0;
     }
   }
+  // The rows and keys of its (batch, head) or sequence.
+  __device__ int len_q(const FwdParams& p) const { return Traits::kSequences ? seq_len_q : p.len_q; }
+  __device__ int len_k(const FwdParams& p) const { return Traits::kSequences ? seq_len_k : p.len_k; }
+  __device__ int causal_shift(const FwdParams& p) const { return len_k(p) - len_q(p); }
   // The tile's rows: m_first() .. m_end(p) - 1.
   __device__ int m_first() const { return Traits::kTilesEndAtLq ? max(m_start, 0) : m_start; }
-  __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, p.len_q); }
+  __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, len_q(p)); }
   __device__ int key_start(int n_block) const { return n_block * Traits::kBlockN; }  // the key block's first key
   __device__ int kv_head(const FwdParams& p) const { return head / p.heads_per_kv; }
   template <typename T>
   __device__ T* out(const FwdParams& p) const {
+    if constexpr (Traits::kSequences) return static_cast<T*>(p.out) + q_offset * p.o_row_stride + head * p.o_head_stride;
     return static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
   }
+  // Its lse rows: (B, H, Lq), or (H, total_q) packed.
   __device__ float* lse(const FwdParams& p) const {
+    if constexpr (Traits::kSequences) return p.lse + static_cast<int64_t>(head) * p.len_q + q_offset;
     return p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
   }
+  // The tensor map of q, k, v or out (SeqMap) its TMA goes through, `dense` but for packed sequences, and the batch
+  // coordinate there.
+  __device__ const CUtensorMap* map(const CUtensorMap* dense, SeqMap which, const FwdParams& p) const {
+    if constexpr (Traits::kSequences) return static_cast<const CUtensorMap*>(p.seq_maps) + batch * kSeqMaps + which;
+    return dense;
+  }
+  __device__ int tma_batch() const { return Traits::kSequences ? 0 : batch; }
 };
 
 // A unit of a CTA's work: tile `index` (num_tiles or more, or -1 for the consumers of DynamicScheduler: done) and its
@@ -282,10 +315,95 @@ struct DynamicScheduler {
   }
 };
 
-template <typename Traits>
-using FwdScheduler = std::conditional_t<Traits::kOrder == TileOrder::kDynamic, DynamicScheduler,
-                                        std::conditional_t<Traits::kOrder == TileOrder::kStrideThenStreamK,
-                                                           StreamKScheduler, StrideScheduler>>;
+// Packed sequences: the producer takes tile indices from p.tile_counter, as DynamicScheduler does, and decodes each
+// (its rank by binary search over p.seq_tile_start, the rank's sequence, head and query block: longest rows first
+// under a causal mask) before it publishes it; a CTA's indices only grow, so each search starts at the last rank.
+template <int kBlockM, bool kCausal>
+struct SequenceScheduler {
+  static constexpr int kSlotInts = sizeof(SeqTile) / sizeof(int);
+  const FwdParams& p;
+  int num_tiles = 0;  // the producer's: every sequence's tiles (the last tile start)
+  int rank = 0;
+  SeqTile tile;       // the producer's next, or the consumers' current
+
+  __device__ SequenceScheduler(const FwdParams& params, int, int, int) : p(params) {}
+  __device__ void decode(int index) {
+    tile.index = -1;
+    if (index >= num_tiles) return;
+    int hi = p.batch - 1;  // the last rank whose first tile is <= index (ranks without tiles share the next's start)
+    while (rank < hi) {
+      const int mid = (rank + hi + 1) / 2;
+      if (__ldg(p.seq_tile_start + mid) <= index) {
+        rank = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const int b = __ldg(p.seq_order + rank);
+    const int local = index - __ldg(p.seq_tile_start + rank);
+    tile.q_offset = clamped_offset(p.cu_seqlens_q, b, p.len_q);
+    tile.len_q = max(0, clamped_offset(p.cu_seqlens_q, b + 1, p.len_q) - tile.q_offset);
+    tile.len_k = max(0, clamped_offset(p.cu_seqlens_k, b + 1, p.len_k) - clamped_offset(p.cu_seqlens_k, b, p.len_k));
+    const int m_blocks = sequence_m_blocks(tile.len_q, kBlockM);
+    tile.head = local / m_blocks;
+    const int m_index = local - tile.head * m_blocks;
+    tile.m_block = kCausal ? m_blocks - 1 - m_index : m_index;
+    tile.batch = b;
+    tile.index = index;
+  }
+  // The producer's work.index: the tile's place, or INT_MAX once done.
+  __device__ FwdWork work() const { return {tile.index >= 0 ? tile.index : INT_MAX, 0, 0}; }
+  __device__ FwdWork first() {
+    num_tiles = __ldg(p.seq_tile_start + p.batch);
+    decode(blockIdx.x);
+    return work();
+  }
+  template <typename Storage>
+  __device__ void publish(const FwdWork&, int j, const Storage& smem) const {
+    const int slot = j % 2;
+    if (j >= 2) mbarrier_wait(&smem.tile_empty[slot], ((j / 2) - 1) & 1);
+    *reinterpret_cast<SeqTile*>(smem.tile_index + slot * kSlotInts) = tile;
+    mbarrier_arrive(&smem.tile_full[slot]);
+  }
+  __device__ void advance(FwdWork& work_, int) {
+    decode(gridDim.x + atomicAdd(p.tile_counter, 1));
+    work_ = work();
+  }
+  template <typename Storage>
+  __device__ bool next(FwdWork& work_, int j, const Storage& smem) {
+    const int slot = j % 2;
+    mbarrier_wait(&smem.tile_full[slot], (j / 2) & 1);
+    const int* const box = smem.tile_index + slot * kSlotInts;
+    tile.index = __shfl_sync(0xffffffff, box[0], 0);
+    tile.batch = __shfl_sync(0xffffffff, box[1], 0);
+    tile.m_block = __shfl_sync(0xffffffff, box[2], 0);
+    tile.head = __shfl_sync(0xffffffff, box[3], 0);
+    tile.q_offset = __shfl_sync(0xffffffff, box[4], 0);
+    tile.len_q = __shfl_sync(0xffffffff, box[5], 0);
+    tile.len_k = __shfl_sync(0xffffffff, box[6], 0);
+    mbarrier_arrive(&smem.tile_empty[slot]);
+    work_ = {tile.index, 0, 0};
+    return tile.index >= 0;
+  }
+};
+
+template <typename Traits, bool kCausal>
+using FwdScheduler = std::conditional_t<
+    Traits::kOrder == TileOrder::kSequences, SequenceScheduler<Traits::kBlockM, kCausal>,
+    std::conditional_t<Traits::kOrder == TileOrder::kDynamic, DynamicScheduler,
+                       std::conditional_t<Traits::kOrder == TileOrder::kStrideThenStreamK, StreamKScheduler,
+                                          StrideScheduler>>>;
+
+// The tile of a unit of work: from its index, or (packed sequences) as the scheduler decoded it.
+template <typename TileT, typename Scheduler>
+__device__ __forceinline__ TileT tile_of(const FwdWork& work, const Scheduler& scheduler, int num_m_blocks,
+                                         const FwdParams& p) {
+  if constexpr (TileT::kSequences) {
+    return TileT(scheduler.tile, p);
+  } else {
+    return TileT(work.index, num_m_blocks, p);
+  }
+}
 #endif  // __CUDACC__
 
 }  // namespace flashattn::sm90

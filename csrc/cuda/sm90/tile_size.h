@@ -11,13 +11,17 @@ enum class TileOrder {
   kStride,             // tiles c, c + grid, ... (no mask: every tile costs the same)
   kStrideThenStreamK,  // the same, then the last tiles' key blocks shared out over the CTAs where the host asks
   kDynamic,            // causal: tile indices from a counter or zigzag rounds, passed on by the producer
+  kSequences,          // packed sequences: tiles from a counter in an order built on the device, decoded by the
+                       // producer (tile_scheduler.h: SequenceScheduler)
 };
 
 // Causal tiles (and those of a band with a right edge) differ in length: dynamic order, longest first. Without a mask
 // the D128 kernel may split its last round over keys (stream-K); at D256 the split's state spills registers, and
-// D64's grid spreads its short tiles instead. The options variants (windows, softcap, sinks) do not split.
-constexpr TileOrder fwd_tile_order(int kernel_head_dim, bool causal, bool options = false) {
-  return causal                                ? TileOrder::kDynamic
+// D64's grid spreads its short tiles instead. The options variants (windows, softcap, sinks) do not split. Packed
+// sequences' tiles are known only on the device.
+constexpr TileOrder fwd_tile_order(int kernel_head_dim, bool causal, bool options = false, bool sequences = false) {
+  return sequences                             ? TileOrder::kSequences
+         : causal                              ? TileOrder::kDynamic
          : kernel_head_dim == 128 && !options ? TileOrder::kStrideThenStreamK
                                                : TileOrder::kStride;
 }
@@ -54,6 +58,12 @@ struct BwdTileShape {
 constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim) {
   const int block_m = kernel_head_dim == 64 ? 128 : 64;
   return {block_m, kernel_head_dim == 256 ? 64 : 128, block_m * kernel_head_dim / (64 * 64)};
+}
+
+// Packed sequences: their lengths stay on the device, so the shape of short sequences (two consumers under a causal
+// mask at D64, whose tiles then start at row 0; 64-key blocks at D256).
+constexpr FwdTileShape fwd_sequences_tile_shape(int kernel_head_dim, bool causal) {
+  return fwd_tile_shape(kernel_head_dim, causal, 0, 0);
 }
 
 static_assert(fwd_tile_shape(64, false, 100, 100).consumers == 3, "D64 without a mask: three consumers");

@@ -1,0 +1,117 @@
+// The preparation of a packed call for the Hopper forward (sequences.h): one CTA ranks the sequences by their keys,
+// counts their tiles in that order, and writes each sequence's tensor maps.
+#include "cuda/packed.h"
+#include "cuda/sm90/ptx.h"
+#include "cuda/sm90/sequences.h"
+
+namespace flashattn::sm90 {
+namespace {
+
+constexpr int kThreads = 1024;
+
+__device__ __forceinline__ int sequence_length(const int* cu, int b, int total) {
+  return max(0, clamped_offset(cu, b + 1, total) - clamped_offset(cu, b, total));
+}
+
+// The exclusive prefix sum of `value` over the CTA's threads.
+__device__ int block_exclusive_sum(int value, int* warp_sums) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = value;
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int up = __shfl_up_sync(0xffffffff, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int total = warp_sums[lane];
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int up = __shfl_up_sync(0xffffffff, total, d);
+      if (lane >= d) total += up;
+    }
+    warp_sums[lane] = total;
+  }
+  __syncthreads();
+  return inclusive - value + (warp > 0 ? warp_sums[warp - 1] : 0);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    prepare_sequences_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                             const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
+                             const __grid_constant__ SequencesPrepParams prep) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  __shared__ int keys[kMaxSortedSequences];
+  __shared__ int warp_sums[kThreads / 32];
+  const int batch = prep.batch;
+  const bool sorted = batch <= kMaxSortedSequences;
+  if (sorted) {
+    for (int b = threadIdx.x; b < batch; b += kThreads) keys[b] = sequence_length(prep.cu_seqlens_k, b, prep.total_k);
+  }
+  __syncthreads();
+  // Rank (longest keys first, ties in packed order) and tile count of each sequence; tile_start[rank + 1] holds the
+  // count until the prefix sum below.
+  for (int b = threadIdx.x; b < batch; b += kThreads) {
+    int rank = b;
+    if (sorted) {
+      const int key = keys[b];
+      rank = 0;
+      for (int other = 0; other < batch; ++other) {
+        const int other_key = keys[other];
+        rank += other_key > key || (other_key == key && other < b);
+      }
+    }
+    prep.order[rank] = b;
+    const int len_q = sequence_length(prep.cu_seqlens_q, b, prep.total_q);
+    prep.tile_start[rank + 1] = sequence_m_blocks(len_q, prep.block_m) * prep.heads;
+  }
+  // Each sequence's maps: the template's copy, based at its first row and cut to its rows (one row where it has none,
+  // the base then the tensor's: such a map is never used).
+  for (int i = threadIdx.x; i < batch * kSeqMaps; i += kThreads) {
+    const int b = i / kSeqMaps, which = i % kSeqMaps;
+    const bool query_rows = which == kSeqMapQ || which == kSeqMapO;
+    const int* cu = query_rows ? prep.cu_seqlens_q : prep.cu_seqlens_k;
+    const int total = query_rows ? prep.total_q : prep.total_k;
+    const CUtensorMap& from = which == kSeqMapQ ? q_map : which == kSeqMapK ? k_map : which == kSeqMapV ? v_map : o_map;
+    const char* base = which == kSeqMapQ ? prep.q : which == kSeqMapK ? prep.k : which == kSeqMapV ? prep.v : prep.out;
+    const int64_t row_bytes = which == kSeqMapQ   ? prep.q_row_bytes
+                              : which == kSeqMapK ? prep.k_row_bytes
+                              : which == kSeqMapV ? prep.v_row_bytes
+                                                  : prep.o_row_bytes;
+    CUtensorMap* const map = prep.maps + i;
+    const uint4* src = reinterpret_cast<const uint4*>(&from);
+    uint4* dst = reinterpret_cast<uint4*>(map);
+#pragma unroll
+    for (int w = 0; w < static_cast<int>(sizeof(CUtensorMap) / sizeof(uint4)); ++w) dst[w] = src[w];
+    const int first = clamped_offset(cu, b, total);
+    const int len = sequence_length(cu, b, total);
+    tensormap_replace_address(map, len > 0 ? base + first * row_bytes : base);
+    tensormap_replace_dim<1>(map, static_cast<uint32_t>(max(len, 1)));
+  }
+  fence_tensormap_release();
+  // tile_start: the exclusive prefix sum of the counts, each thread over a run of ranks.
+  __syncthreads();
+  const int per_thread = (batch + kThreads - 1) / kThreads;
+  const int first = min(batch, static_cast<int>(threadIdx.x) * per_thread), last = min(batch, first + per_thread);
+  int sum = 0;
+  for (int r = first; r < last; ++r) sum += prep.tile_start[r + 1];
+  int running = block_exclusive_sum(sum, warp_sums);
+  if (threadIdx.x == 0) prep.tile_start[0] = 0;
+  for (int r = first; r < last; ++r) {
+    running += prep.tile_start[r + 1];
+    prep.tile_start[r + 1] = running;
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace
+
+cudaError_t prepare_sequences(const SequencesPrepParams& prep, const CUtensorMap (&templates)[kSeqMaps],
+                              cudaStream_t stream) {
+  prepare_sequences_kernel<<<1, kThreads, 0, stream>>>(templates[kSeqMapQ], templates[kSeqMapK], templates[kSeqMapV],
+                                                        templates[kSeqMapO], prep);
+  return cudaGetLastError();
+}
+
+}  // namespace flashattn::sm90

@@ -1,0 +1,69 @@
+// Packed sequences in the Hopper forward, host and device halves. Before the kernel, one small kernel (sequences.cu)
+// reads cu_seqlens on the device (the host never does) and writes:
+//   the order in which the sequences' tiles run: longest keys first, so the short tiles come last;
+//   each rank's first tile in that order (its sequence's query blocks times the heads, head by head);
+//   four tensor maps per sequence (q, k, v, out) whose base is the sequence's first row and whose extent its length:
+//   TMA then zero-fills reads past the sequence's end and clips stores there, as it does at a dense tensor's end.
+// The kernel's producer takes tile indices from a counter and decodes them (tile_scheduler.h: SequenceScheduler).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashattn::sm90 {
+
+// A sequence's four maps, in this order.
+enum SeqMap : int { kSeqMapQ, kSeqMapK, kSeqMapV, kSeqMapO, kSeqMaps };
+
+// The call's workspace, byte offsets from its start: the tile counter (zeroed before the launch), the order, the
+// tile starts (batch + 1), the maps (128-byte aligned, as tensormap.replace needs).
+struct SequencesWorkspace {
+  int64_t order, tile_start, maps, bytes;
+};
+constexpr int64_t round_up_128(int64_t bytes) { return (bytes + 127) / 128 * 128; }
+constexpr SequencesWorkspace sequences_workspace(int64_t batch) {
+  const int64_t order = 128;
+  const int64_t tile_start = round_up_128(order + 4 * batch);
+  const int64_t maps = round_up_128(tile_start + 4 * (batch + 1));
+  return {order, tile_start, maps, maps + static_cast<int64_t>(sizeof(CUtensorMap)) * kSeqMaps * batch};
+}
+static_assert(sizeof(CUtensorMap) == 128, "a tensor map is 128 bytes");
+
+// Up to this many sequences are sorted (one CTA ranks them against each other); more run in their packed order.
+inline constexpr int kMaxSortedSequences = 2048;
+
+// A sequence's query blocks.
+__host__ __device__ constexpr int sequence_m_blocks(int len_q, int block_m) { return (len_q + block_m - 1) / block_m; }
+
+// What the preparation reads and writes.
+struct SequencesPrepParams {
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int batch, heads, total_q, total_k, block_m;
+  const char* q;  // the packed tensors' bases
+  const char* k;
+  const char* v;
+  char* out;
+  int64_t q_row_bytes, k_row_bytes, v_row_bytes, o_row_bytes;
+  int* order;
+  int* tile_start;
+  CUtensorMap* maps;  // [batch][kSeqMaps]
+};
+
+// Enqueues the preparation on `stream`. `templates`: the maps over the whole packed q, k, v and out (rows = totals),
+// which each sequence's copy rebases and cuts to its rows.
+cudaError_t prepare_sequences(const SequencesPrepParams& prep, const CUtensorMap (&templates)[kSeqMaps],
+                              cudaStream_t stream);
+
+// A tile as the producer decodes it and hands it to the consumers (eight ints: one mailbox slot).
+struct SeqTile {
+  int index;  // its place in the order; -1: the CTA is done
+  int batch, m_block, head;
+  int q_offset, len_q, len_k;  // the sequence's first row in q, out and lse; its lengths
+  int unused;
+};
+static_assert(sizeof(SeqTile) == 8 * sizeof(int), "a mailbox slot");
+
+}  // namespace flashattn::sm90
