@@ -35,10 +35,21 @@ inline int decode_splits(int heads_kv, int heads_per_kv, int len_q, int64_t len_
   return static_cast<int>(std::clamp<int64_t>(want, 1, cap));
 }
 
-// Floats of the splits' workspace: each split's normalised rows (head_dim: the kernel's) and their lse.
+// The splits' workspace: split s's part of output row r (rows (batch, head, query), B * H * Lq of them) is row
+// decode_split_part(p, s, r) of split_out (normalised, head_dim floats: the kernel's) and of split_lse, which follows.
+__host__ __device__ inline int64_t decode_split_rows(const FwdParams& p) {
+  return static_cast<int64_t>(p.batch) * p.heads * p.len_q;
+}
+__host__ __device__ inline int64_t decode_split_part(const FwdParams& p, int split, int64_t row) {
+  return split * decode_split_rows(p) + row;
+}
+// Floats of the splits' workspace, and where split_lse starts in it.
+inline int64_t decode_split_lse_offset(const FwdParams& p, int splits, int head_dim) {
+  return splits * decode_split_rows(p) * head_dim;
+}
 inline int64_t decode_workspace_floats(const FwdParams& p, int splits, int head_dim) {
   if (splits <= 1) return 0;
-  return static_cast<int64_t>(splits) * p.batch * p.heads * p.len_q * (head_dim + 1);
+  return decode_split_lse_offset(p, splits, head_dim) + splits * decode_split_rows(p);
 }
 
 // Merges the splits' rows (params.split_out / split_lse, rows of `head_dim` floats) into out and lse, in split order,

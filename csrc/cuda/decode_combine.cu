@@ -15,7 +15,7 @@ constexpr int kRowsPerBlock = 4;  // a warp per row
 template <typename T>
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
     decode_combine_kernel(const __grid_constant__ FwdParams p, int head_dim) {
-  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;
+  const int64_t rows = decode_split_rows(p);
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   float top = -CUDART_INF_F;
   bool nan = false;
   for (int s = lane; s < splits; s += 32) {
-    const float part = p.split_lse[s * rows + row];
+    const float part = p.split_lse[decode_split_part(p, s, row)];
     top = fmaxf(top, part);
     nan |= part != part;
   }
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   top = fmaxf(top, sink_lse);
   float total = 0.f;
   if (top != -CUDART_INF_F) {
-    for (int s = lane; s < splits; s += 32) total += expf(p.split_lse[s * rows + row] - top);
+    for (int s = lane; s < splits; s += 32) total += expf(p.split_lse[decode_split_part(p, s, row)] - top);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffff, total, offset);
@@ -53,10 +53,10 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32)
   for (int c = 4 * lane; c < p.head_dim; c += 4 * 32) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < splits; ++s) {
-      const float part_lse = p.split_lse[s * rows + row];
+      const float part_lse = p.split_lse[decode_split_part(p, s, row)];
       const float w = lse == -CUDART_INF_F ? 0.f : expf(part_lse - lse);  // NaN with a NaN lse
       if (w != 0.f) {  // a split without keys of this row adds nothing (NaN weights do)
-        const float4 o = *reinterpret_cast<const float4*>(p.split_out + (s * rows + row) * head_dim + c);
+        const float4 o = *reinterpret_cast<const float4*>(p.split_out + decode_split_part(p, s, row) * head_dim + c);
         acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
       }
     }

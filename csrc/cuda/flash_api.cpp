@@ -186,7 +186,9 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
             if (params.plan.kernel == FwdKernel::kSm90) {
               constexpr int kHopperHeadDim = sm90_kernel_head_dim(kBucket);
               if (params.cu_seqlens_q != nullptr) {
-                if constexpr (kOptions) err = sm90::run_fwd_sm90<T, kHopperHeadDim, kCausal, true, true>(params, stream);
+                if constexpr (kOptions) {
+                  err = sm90::run_fwd_sm90<T, kHopperHeadDim, kCausal, true, true>(params, stream);
+                }
                 return;
               }
               err = sm90::run_fwd_sm90<T, kHopperHeadDim, kCausal, kOptions, false>(params, stream);
@@ -222,8 +224,7 @@ at::Tensor attach_workspace(FwdParams& params, const at::Tensor& q, cudaStream_t
   if (plan.zeroed_bytes > 0) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, plan.zeroed_bytes, stream));
   if (plan.kernel == FwdKernel::kDecode) {
     params.split_out = reinterpret_cast<float*>(base);
-    params.split_lse = params.split_out + static_cast<int64_t>(plan.splits) * params.batch * params.heads *
-                                              params.len_q * plan.head_dim;
+    params.split_lse = params.split_out + decode_split_lse_offset(params, plan.splits, plan.head_dim);
   } else if (plan.schedule == FwdSchedule::kCounter) {
     params.tile_counter = reinterpret_cast<int*>(base);
   } else if (plan.schedule == FwdSchedule::kSequences) {
@@ -275,7 +276,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   device.sm90 = sm90_device(q);
   device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
   const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
-  device.tma_maps_q_kv = wants_sm90 && tma_maps_inputs(params, is_bf16, q.get_device());
+  // The decode path needs no maps.
+  device.tma_maps_q_kv =
+      wants_sm90 && !decode_applies(params, sw) && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel != FwdKernel::kSm80,
               "flashattn.fwd: FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   const int lane = threadIdx.x % 32;
   const int split = blockIdx.x;
   const int group_rows = p.heads_per_kv * p.len_q;  // the kv head's packed query rows
-  const int row_groups = (group_rows + kRows - 1) / kRows;
+  const int row_groups = decode_row_groups(p.heads_per_kv, p.len_q);
   const int kv_head = blockIdx.y / row_groups;
   const int row0 = (blockIdx.y % row_groups) * kRows;
   const int batch = blockIdx.z;
@@ -337,7 +337,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   } else {
     // This split's part: the normalised row (0 without keys here) and its lse (-inf without keys); no sink.
     const bool sees_keys = sum > 0.f || sum != sum;  // a NaN row stays NaN
-    const int64_t part = ((static_cast<int64_t>(split) * p.batch + batch) * p.heads + head) * p.len_q + query;
+    const int64_t part =
+        decode_split_part(p, split, (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query);
     const float inv = sees_keys ? 1.f / sum : 0.f;
     float* const dst = p.split_out + part * kHeadDim + col0;
 #pragma unroll

@@ -77,10 +77,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says (kOptions: the variant with
-// windows, softcap and sinks; kSequences: with packed sequences too). Returns cudaErrorInvalidValue where the plan names
-// a variant this head dim does not have, cudaErrorNotSupported where the driver refuses a tensor map or the shared
-// memory; launches nothing then.
+// Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says (kOptions: the variant
+// with windows, softcap and sinks; kSequences: with packed sequences too). Returns cudaErrorInvalidValue where the
+// plan names a variant this head dim does not have, cudaErrorNotSupported where the driver refuses a tensor map or
+// the shared memory; launches nothing then.
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;

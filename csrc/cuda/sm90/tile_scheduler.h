@@ -162,7 +162,9 @@ struct Tile {
   __device__ int kv_head(const FwdParams& p) const { return head / p.heads_per_kv; }
   template <typename T>
   __device__ T* out(const FwdParams& p) const {
-    if constexpr (Traits::kSequences) return static_cast<T*>(p.out) + q_offset * p.o_row_stride + head * p.o_head_stride;
+    if constexpr (Traits::kSequences) {
+      return static_cast<T*>(p.out) + q_offset * p.o_row_stride + head * p.o_head_stride;
+    }
     return static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
   }
   // Its lse rows: (B, H, Lq), or (H, total_q) packed.
