@@ -326,8 +326,12 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
           constexpr bool kOptions = decltype(options_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
           if constexpr (sm90_bwd_covers(kBucket) && (!kOptions || sm90_kernel_head_dim(kBucket) <= 128)) {
-            if (path == BwdPath::kSm90) {
-              err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions>(params, stream);
+            if (path == BwdPath::kSm90 && sequences) {
+              if constexpr (kOptions) {
+                err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, true, true>(params, stream);
+              }
+            } else if (path == BwdPath::kSm90) {
+              err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions, false>(params, stream);
             }
           }
 #endif
@@ -663,8 +667,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  const cudaError_t err =
-      launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true, BwdPath::kSm80, stream);
+  // The Hopper sequences kernel (its dQ additions in any order) where TMA can describe the packed tensors as one batch
+  // entry of all rows, with room for each sequence's maps; else the portable one.
+  const Switches& sw = switches();
+  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
+                          sm90_kernel_head_dim(bucket) <= 128 && !deterministic;
+  BwdParams all_rows = p;
+  all_rows.batch = 1;
+  const bool sm90 = wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device());
+  TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90, op, ": FLASHATTN_BWD_SM90=strict, but the "
+              "Hopper kernel cannot take these inputs (TMA cannot describe the strides of q, k, v or dout)");
+  at::Tensor seq_maps;
+  if (sm90) {
+    seq_maps = at::empty({vs.batch * sm90::kBwdSeqMaps * static_cast<int64_t>(sizeof(CUtensorMap))},
+                         q.options().dtype(at::kByte));
+    p.seq_maps = seq_maps.data_ptr();
+  }
+  const cudaError_t err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true,
+                                     sm90 ? BwdPath::kSm90 : BwdPath::kSm80, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
   launch_bwd_postprocess(dq_accum, as_one_batch(dq), softmax_scale, op);

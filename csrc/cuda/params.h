@@ -133,6 +133,9 @@ struct BwdParams {
   // and dk, dv (total_k, Hk, D), contiguous.
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
+  // Packed sequences on Hopper (the sm90 sequences variants): five CUtensorMaps per sequence (q, k, v, dout,
+  // dq_accum: its rows only; sm90/sequences.h), written on the device before the launch.
+  void* seq_maps;
 };
 
 // The backward's preprocessing over the query rows (B, H, Lq): delta = rowsum(dO * O) - dlse, and dq_accum zeroed.

@@ -280,6 +280,54 @@ def test_cuda_forward_each_kernel(head_dim, mods):
         run_isolated({"FLASHATTN_FWD_SM90": "strict"}, "op.test_varlen", "forward_checked", pairs, head_dim, mods)
 
 
+def grads_checked(pairs, head_dim, mods, seed=0):
+    """The packed backward over `pairs` (bf16, H4 / Hk2, strided rows) for random gradients of out and lse, each
+    sequence's gradients checked against the reference. Run in a process of its own to pick a kernel
+    (FLASHATTN_BWD_SM90)."""
+    torch.manual_seed(seed)
+    q, k, v, cu_q, cu_k = packed_inputs(pairs, 4, 2, head_dim, torch.bfloat16, "cuda", "strided")
+    kwargs = mods_for(mods, 4, "cuda")
+    grads, dout, dlse = packed_grads_for_random_outputs(q, k, v, cu_q, cu_k, kwargs)
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.stop == rows_q.start:
+            assert (grads[1][rows_k] == 0).all() and (grads[2][rows_k] == 0).all()
+            continue
+        seq = tuple(per_sequence(t, r).detach() for t, r in ((q, rows_q), (k, rows_k), (v, rows_k)))
+        seq_grads = tuple(per_sequence(g, r) for g, r in ((grads[0], rows_q), (grads[1], rows_k), (grads[2], rows_k)))
+        mods_seq = dict(kwargs, sinks=None if kwargs.get("sinks") is None else kwargs["sinks"].detach())
+        assert_grads_close(seq_grads, *seq, per_sequence(dout, rows_q), dlse[None, :, rows_q].contiguous(), **mods_seq,
+                           with_dsinks=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mods", ["plain", "causal", "window", "softcap-sinks"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_backward_each_kernel(head_dim, mods):
+    # The portable backward and, on Hopper, the TMA one (strict: it must take the call), both against the reference.
+    pairs = MIXED + [(1000, 1000), (130, 1500)]
+    run_isolated({"FLASHATTN_BWD_SM90": "0"}, "op.test_varlen", "grads_checked", pairs, head_dim, mods)
+    if torch.cuda.get_device_capability() == (9, 0):
+        run_isolated({"FLASHATTN_BWD_SM90": "strict"}, "op.test_varlen", "grads_checked", pairs, head_dim, mods)
+
+
+@pytest.mark.cuda
+def test_cuda_nan_in_other_sequences_never_reaches_gradients():
+    # As the forward's test below, for the gradients: a sequence packed between sequences full of NaN (inputs and
+    # output gradients) gets its gradients as alone (dQ's additions come in any order: equal within rounding).
+    q, k, v, cu_q, cu_k = packed_inputs([(200, 300)], 4, 2, 128, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    alone = packed_grads(q, k, v, cu_q, cu_k, dout, causal=True)
+    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(77, 55), (200, 300), (300, 33)], 4, 2, 128, torch.bfloat16, "cuda")
+    dout2 = torch.full_like(q2, float("nan"))
+    for t in (q2, k2, v2):
+        t.fill_(float("nan"))
+    q2[77:277], k2[55:355], v2[55:355], dout2[77:277] = q, k, v, dout
+    together = packed_grads(q2, k2, v2, cu_q2, cu_k2, dout2, causal=True)
+    for got, want in zip((together[0][77:277], together[1][55:355], together[2][55:355]), alone):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_cuda_nan_in_other_sequences_never_leaks(causal):

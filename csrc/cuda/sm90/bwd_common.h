@@ -6,10 +6,12 @@
 
 #include <cstdint>
 
+#include "cuda/packed.h"
 #include "cuda/params.h"
 #include "cuda/ptx_common.h"
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
+#include "cuda/sm90/sequences.h"
 #include "cuda/sm90/wgmma_ops.h"
 
 namespace flashattn::sm90 {
@@ -35,40 +37,70 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first; with an ordered
 // dQ (p.dq_semaphore) the causal order turns round (the shortest first), matching the order of the dQ additions.
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
-// query blocks on both sides; never with an ordered dQ.
-template <typename Traits, bool kCausal, bool kOptions = false>
+// query blocks on both sides; never with an ordered dQ. kSequences (with kOptions, never ordered): packed sequences,
+// CTA = a slot of packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA
+// goes through the sequence's own maps (sequences.h) at batch coordinate 0.
+template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>
 struct KeyBlock {
+  static constexpr bool kPacked = kSequences;
   int n_block, n_start, kv_head, batch, m_begin, m_end, num_m_blocks;
+  int q_offset = 0, k_offset = 0, seq_len_q = 0, seq_len_k = 0;  // packed sequences: first rows and lengths
 
   __device__ KeyBlock(const BwdParams& p) {
-    const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    n_block = static_cast<int>(blockIdx.x % num_n_blocks);
-    if (kCausal && p.dq_semaphore != nullptr) n_block = num_n_blocks - 1 - n_block;
+    if constexpr (kSequences) {
+      const int slots = packed_slots(p.len_k, p.batch, Traits::kBlockN);
+      const PackedBlock b = find_packed_block(p.cu_seqlens_k, p.len_k, p.cu_seqlens_q, p.len_q, p.batch,
+                                              Traits::kBlockN, static_cast<int>(blockIdx.x % slots));
+      kv_head = blockIdx.x / slots;
+      batch = b.batch;
+      n_block = b.block;
+      k_offset = b.row, seq_len_k = b.len, q_offset = b.other_row, seq_len_q = b.other_len;
+    } else {
+      const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+      n_block = static_cast<int>(blockIdx.x % num_n_blocks);
+      if (kCausal && p.dq_semaphore != nullptr) n_block = num_n_blocks - 1 - n_block;
+      kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
+      batch = blockIdx.x / num_n_blocks / p.heads_kv;
+    }
     n_start = n_block * Traits::kBlockN;
-    kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
-    batch = blockIdx.x / num_n_blocks / p.heads_kv;
-    num_m_blocks = (p.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    num_m_blocks = (len_q(p) + Traits::kBlockM - 1) / Traits::kBlockM;
     // Causal: query i sees key j iff j <= i + Lk - Lq + right, so the first query that sees key n_start is
     // n_start - (Lk - Lq) - right (without a left edge the last query sees every key, so some query block always
     // remains); under a left edge the last query that sees the block's last key is that key - (Lk - Lq) + left.
-    const int shift = p.len_k - p.len_q;
+    const int shift = len_k(p) - len_q(p);
     m_begin = kCausal ? max(0, n_start - shift - right(p)) / Traits::kBlockM : 0;
     m_end = num_m_blocks;
     if (kOptions && left(p) >= 0) {
-      const int row_end = max(0, min(p.len_q, n_start + Traits::kBlockN - shift + left(p)));
+      const int row_end = max(0, min(len_q(p), n_start + Traits::kBlockN - shift + left(p)));
       m_end = max(m_begin, (row_end + Traits::kBlockM - 1) / Traits::kBlockM);
     }
+    if (kSequences && n_start >= len_k(p)) m_begin = m_end = 0;  // an idle slot
   }
   __device__ static int left(const BwdParams& p) { return kOptions ? p.window_left : -1; }
   __device__ static int right(const BwdParams& p) { return kCausal ? (kOptions ? p.window_right : 0) : -1; }
+  // The queries and keys of its (batch, kv head) or sequence.
+  __device__ int len_q(const BwdParams& p) const { return kSequences ? seq_len_q : p.len_q; }
+  __device__ int len_k(const BwdParams& p) const { return kSequences ? seq_len_k : p.len_k; }
+  // Row `key`'s offset in dk and dv, in rows of D: (B, Hk, Lk, D), or (total_k, Hk, D) packed.
+  __device__ int64_t kv_row(int key, const BwdParams& p) const {
+    if constexpr (kSequences) return static_cast<int64_t>(k_offset + key) * p.heads_kv + kv_head;
+    return (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k + key;
+  }
+  // The tensor map (BwdSeqMap) its TMA goes through, `dense` but for packed sequences, and the batch coordinate.
+  __device__ const CUtensorMap* map(const CUtensorMap* dense, BwdSeqMap which, const BwdParams& p) const {
+    if constexpr (kSequences) return static_cast<const CUtensorMap*>(p.seq_maps) + batch * kBwdSeqMaps + which;
+    return dense;
+  }
+  __device__ int tma_batch() const { return kSequences ? 0 : batch; }
 
   // The consumers' steps: every query block that sees the keys, for every query head of the kv head's group.
   __device__ int steps_per_head() const { return m_end - m_begin; }
   __device__ int num_steps(const BwdParams& p) const { return p.heads_per_kv * steps_per_head(); }
   __device__ int head(int step, const BwdParams& p) const { return kv_head * p.heads_per_kv + step / steps_per_head(); }
   __device__ int m_start(int step) const { return (m_begin + step % steps_per_head()) * Traits::kBlockM; }
-  // Offset of the step's head in the (B, H, Lq) row arrays: lse, delta, and (times D) dq_accum.
+  // Offset of the step's head in the (B, H, Lq) row arrays, or (H, total_q) packed: lse, delta, (times D) dq_accum.
   __device__ int64_t row_base(int step, const BwdParams& p) const {
+    if constexpr (kSequences) return static_cast<int64_t>(head(step, p)) * p.len_q + q_offset;
     return (static_cast<int64_t>(batch) * p.heads + head(step, p)) * p.len_q;
   }
 
@@ -126,26 +158,25 @@ struct RowStats {
   static constexpr float kLog2e = 1.4426950408889634f;
   float lse = -INFINITY, delta = 0.f;
 
-  __device__ void load(const BwdParams& p, int64_t row_base, int row, bool with_delta) {
-    lse = row < p.len_q ? p.lse[row_base + row] : -INFINITY;
-    delta = with_delta && row < p.len_q ? p.delta[row_base + row] : 0.f;
+  __device__ void load(const BwdParams& p, int64_t row_base, int row, int len_q, bool with_delta) {
+    lse = row < len_q ? p.lse[row_base + row] : -INFINITY;
+    delta = with_delta && row < len_q ? p.delta[row_base + row] : 0.f;
   }
   __device__ float lse_log2() const { return lse != -INFINITY ? lse * kLog2e : INFINITY; }
   __device__ float delta_or_zero() const { return lse != -INFINITY ? delta : 0.f; }
 };
 
 // Epilogue of both kernels: kCols columns (from column0) of dK (times scale) and dV for this thread's two key rows,
-// 4-byte stores (rows past Lk, columns past D skipped). dk and dv are contiguous (B, Hk, Lk, D).
+// 4-byte stores (rows past Lk, columns past D skipped). dk and dv are contiguous (KeyBlock::kv_row).
 template <typename T, int kCols, typename Block>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& block, int key0, int column0, int lane,
                                             const float (&dk)[kCols / 2], const float (&dv)[kCols / 2]) {
-  const int64_t kv_row_base = (static_cast<int64_t>(block.batch) * p.heads_kv + block.kv_head) * p.len_k;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = key0 + 8 * h;
-    if (key >= p.len_k) continue;
-    T* const dk_row = static_cast<T*>(p.dk) + (kv_row_base + key) * p.head_dim;
-    T* const dv_row = static_cast<T*>(p.dv) + (kv_row_base + key) * p.head_dim;
+    if (key >= block.len_k(p)) continue;
+    T* const dk_row = static_cast<T*>(p.dk) + block.kv_row(key, p) * p.head_dim;
+    T* const dv_row = static_cast<T*>(p.dv) + block.kv_row(key, p) * p.head_dim;
 #pragma unroll
     for (int j = 0; j < kCols / 8; ++j) {
       const int col = column0 + 8 * j + 2 * (lane % 4);
@@ -196,6 +227,8 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
   if (num_steps == 0) return;
   const bool ordered = p.dq_semaphore != nullptr;
   const float* const tile = smem.dq + c * Traits::kTileDQ;
+  const CUtensorMap* const map = block.map(&dq_map, kBwdSeqMapDq, p);
+  if (Block::kPacked && lane == 0) fence_tensormap_acquire(map);  // written on the device before the launch
   named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
   for (int step = 0; step < num_steps; ++step) {
     const int head = block.head(step, p);
@@ -211,8 +244,8 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
           fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
         for (int box = 0; box < 2; ++box) {
-          tma_reduce_add_4d(&dq_map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c, part) + 32 * box, row,
-                            head, block.batch);
+          tma_reduce_add_4d(map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c, part) + 32 * box, row, head,
+                            block.tma_batch());
         }
         bulk_commit_group();
         bulk_wait_group_read<0>();
@@ -255,12 +288,23 @@ template <typename T, typename Traits, typename Block, typename Storage>
 __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUtensorMap& q_map,
                                                  const CUtensorMap& k_map, const CUtensorMap& v_map,
                                                  const CUtensorMap& do_map, const BwdParams& p, const Block& block) {
+  const CUtensorMap* const q_tile_map = block.map(&q_map, kBwdSeqMapQ, p);
+  const CUtensorMap* const k_tile_map = block.map(&k_map, kBwdSeqMapK, p);
+  const CUtensorMap* const v_tile_map = block.map(&v_map, kBwdSeqMapV, p);
+  const CUtensorMap* const do_tile_map = block.map(&do_map, kBwdSeqMapDout, p);
+  const int batch = block.tma_batch();
+  if constexpr (Block::kPacked) {  // maps written on the device before the launch
+    fence_tensormap_acquire(q_tile_map);
+    fence_tensormap_acquire(k_tile_map);
+    fence_tensormap_acquire(v_tile_map);
+    fence_tensormap_acquire(do_tile_map);
+  }
   mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
   for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-    tma_load_4d(smem.k + c * Traits::kSubTileKV, &k_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
-                block.batch);
-    tma_load_4d(smem.v + c * Traits::kSubTileKV, &v_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
-                block.batch);
+    tma_load_4d(smem.k + c * Traits::kSubTileKV, k_tile_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
+                batch);
+    tma_load_4d(smem.v + c * Traits::kSubTileKV, v_tile_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
+                batch);
   }
   int step = 0;
   for (int g = 0; g < p.heads_per_kv; ++g) {
@@ -272,15 +316,15 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
       if (use > 0) mbarrier_wait(&smem.q_empty[stage], (use - 1) & 1);
       mbarrier_arrive_expect_tx(&smem.q_full[stage], Traits::kTileQ * sizeof(T));
       for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.q_stage(stage) + c * Traits::kSubTileQ, &q_map, &smem.q_full[stage], 64 * c, m_start, head,
-                    block.batch);
+        tma_load_4d(smem.q_stage(stage) + c * Traits::kSubTileQ, q_tile_map, &smem.q_full[stage], 64 * c, m_start,
+                    head, batch);
       }
       const int do_stage = step % Traits::kStagesDo, do_use = step / Traits::kStagesDo;
       if (do_use > 0) mbarrier_wait(&smem.do_empty[do_stage], (do_use - 1) & 1);
       mbarrier_arrive_expect_tx(&smem.do_full[do_stage], Traits::kTileQ * sizeof(T));
       for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.dout_stage(do_stage) + c * Traits::kSubTileQ, &do_map, &smem.do_full[do_stage], 64 * c,
-                    m_start, head, block.batch);
+        tma_load_4d(smem.dout_stage(do_stage) + c * Traits::kSubTileQ, do_tile_map, &smem.do_full[do_stage], 64 * c,
+                    m_start, head, batch);
       }
     }
   }

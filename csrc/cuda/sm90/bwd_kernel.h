@@ -40,6 +40,7 @@
 #include "cuda/sm90/bwd_split_kernel.h"
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
+#include "cuda/sm90/sequences.h"
 #include "cuda/sm90/tile_size.h"
 #include "cuda/sm90/tma.h"
 #include "cuda/sm90/wgmma_ops.h"
@@ -138,7 +139,7 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
   }
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -149,10 +150,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
 
-  using Block = KeyBlock<Traits, kCausal, kOptions>;
+  using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
   const Block block(p);
   const int n_start = block.n_start;
-  const int causal_shift = p.len_k - p.len_q;
+  const int causal_shift = block.len_k(p) - block.len_q(p);
 
   extern __shared__ unsigned char smem_raw[];
   const BwdSharedStorage<T, Traits> smem(smem_raw);
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_steps = block.num_steps(p);
   RowStats stats;  // loaded a step ahead
   const auto load_stats = [&](int step) {
-    stats.load(p, block.row_base(step, p), block.m_start(step) + stats_row, stages_delta);
+    stats.load(p, block.row_base(step, p), block.m_start(step) + stats_row, block.len_q(p), stages_delta);
   };
   const auto store_stats = [&](int buffer) {
     const int offset = (2 * buffer + consumer) * kBlockM + stats_row;
@@ -229,7 +230,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (kOptions) {
       // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
       const int left = Block::left(p), right = Block::right(p);
-      const bool needs_mask = m_start + kBlockM > p.len_q || n_start + kBlockN > p.len_k ||
+      const bool needs_mask = m_start + kBlockM > block.len_q(p) || n_start + kBlockN > block.len_k(p) ||
                               (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                               (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
       // Entries outside the band; only blocks at an edge test them (without softcap in a branch of its own, which
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const auto masked = [&](int col, int i) {
         const int key = key0 + 8 * (i / 2);
         const int query = m_start + col;
-        return query >= p.len_q || key >= p.len_k || (right >= 0 && key > query + causal_shift + right) ||
+        return query >= block.len_q(p) || key >= block.len_k(p) || (right >= 0 && key > query + causal_shift + right) ||
                (left >= 0 && key < query + causal_shift - left);
       };
       if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
@@ -311,8 +312,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
       wgmma_wait<1>();
       wgmma_fence_registers(s);
-      masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, p.len_q, p.len_k, m_start, n_start,
-                                                      causal_shift, key0, lane);
+      masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, block.len_q(p), block.len_k(p),
+                                                      m_start, n_start, causal_shift, key0, lane);
 
       wgmma_wait<0>();
       wgmma_fence_registers(dp);
@@ -388,24 +389,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller): this file's kernel for
 // head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
-// another backward). kOptions (windows, softcap): head dims 64 and 128.
-template <typename T, int HeadDim, bool kCausal, bool kOptions>
+// another backward). kOptions (windows, softcap): head dims 64 and 128. kSequences (with kOptions, not ordered):
+// packed sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kOptions || HeadDim <= 128, "the options variant covers head dims 64 and 128");
+  static_assert(!kSequences || (kOptions && HeadDim <= 128), "packed sequences: the options variant, D <= 128");
   using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  // Packed sequences: maps over all rows as one batch entry, which the preparation cuts into each sequence's.
+  BwdParams shape = params;
+  if constexpr (kSequences) shape.batch = 1;
   CUtensorMap q_map, k_map, v_map, do_map;
   const bool ok =
-      make_qkv_maps(params, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map) &&
-      make_bhld_map(&do_map, params.dout, kBf16, params.batch, params.heads, params.len_q, params.head_dim,
-                    params.do_batch_stride, params.do_head_stride, params.do_row_stride, Traits::kBlockM);
+      make_qkv_maps(shape, kBf16, Traits::kBlockM, Traits::kBlockN, &q_map, &k_map, &v_map) &&
+      make_bhld_map(&do_map, shape.dout, kBf16, shape.batch, shape.heads, shape.len_q, shape.head_dim,
+                    shape.do_batch_stride, shape.do_head_stride, shape.do_row_stride, Traits::kBlockM);
   if (!ok) return cudaErrorNotSupported;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
-  const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * params.batch));
+  const int64_t num_n_blocks = kSequences ? packed_slots(params.len_k, params.batch, Traits::kBlockN)
+                                          : (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * shape.batch));
   CUtensorMap dq_map;
-  if (!make_dq_accum_map(&dq_map, params.dq_accum, params.batch, params.heads, params.len_q, params.head_dim, 64)) {
+  if (!make_dq_accum_map(&dq_map, shape.dq_accum, shape.batch, shape.heads, shape.len_q, shape.head_dim, 64)) {
     return cudaErrorNotSupported;
   }
   if constexpr (HeadDim == 256) {
@@ -413,8 +420,28 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
     kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
   } else {
-    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions>;
+    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
+    if constexpr (kSequences) {
+      SequencesPrepParams prep{};
+      prep.cu_seqlens_q = params.cu_seqlens_q;
+      prep.cu_seqlens_k = params.cu_seqlens_k;
+      prep.batch = params.batch;
+      prep.heads = params.heads;
+      prep.total_q = params.len_q;
+      prep.total_k = params.len_k;
+      prep.num_maps = kBwdSeqMaps;
+      prep.sources[kBwdSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
+      prep.sources[kBwdSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
+      prep.sources[kBwdSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};
+      prep.sources[kBwdSeqMapDout] = {static_cast<const char*>(params.dout), params.do_row_stride * 2, true};
+      prep.sources[kBwdSeqMapDq] = {reinterpret_cast<const char*>(params.dq_accum),
+                                    static_cast<int64_t>(params.head_dim) * 4, true};
+      prep.maps = static_cast<CUtensorMap*>(params.seq_maps);
+      const SeqMapTemplates templates{{q_map, k_map, v_map, do_map, dq_map}};
+      const cudaError_t err = prepare_sequences(prep, templates, stream);
+      if (err != cudaSuccess) return err;
+    }
     kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
   }
   return cudaGetLastError();

@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_steps = block.num_steps(p);
   RowStats stats;
   const auto load_stats = [&](int step) {
-    stats.load(p, block.row_base(step, p), block.m_start(step) + thread, consumer == 1);
+    stats.load(p, block.row_base(step, p), block.m_start(step) + thread, p.len_q, consumer == 1);
   };
   if (thread < kBlockM) load_stats(0);
 

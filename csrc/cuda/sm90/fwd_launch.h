@@ -27,18 +27,15 @@ cudaError_t prepare_fwd_sequences(const FwdParams& params, const CUtensorMap& q_
   prep.total_q = params.len_q;
   prep.total_k = params.len_k;
   prep.block_m = Traits::kBlockM;
-  prep.q = static_cast<const char*>(params.q);
-  prep.k = static_cast<const char*>(params.k);
-  prep.v = static_cast<const char*>(params.v);
-  prep.out = static_cast<char*>(params.out);
-  prep.q_row_bytes = params.q_row_stride * 2;
-  prep.k_row_bytes = params.k_row_stride * 2;
-  prep.v_row_bytes = params.v_row_stride * 2;
-  prep.o_row_bytes = params.o_row_stride * 2;
+  prep.num_maps = kSeqMaps;
+  prep.sources[kSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
+  prep.sources[kSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
+  prep.sources[kSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};
+  prep.sources[kSeqMapO] = {static_cast<const char*>(params.out), params.o_row_stride * 2, true};
   prep.order = params.seq_order;
   prep.tile_start = params.seq_tile_start;
   prep.maps = static_cast<CUtensorMap*>(params.seq_maps);
-  const CUtensorMap templates[kSeqMaps] = {q_map, k_map, v_map, o_map};
+  const SeqMapTemplates templates{{q_map, k_map, v_map, o_map}};
   return prepare_sequences(prep, templates, stream);
 }
 

@@ -1,5 +1,5 @@
-// The preparation of a packed call for the Hopper forward (sequences.h): one CTA ranks the sequences by their keys,
-// counts their tiles in that order, and writes each sequence's tensor maps.
+// The preparation of a packed call for the Hopper kernels (sequences.h): one CTA writes each sequence's tensor maps
+// and, for the forward, ranks the sequences by their keys and counts their tiles in that order.
 #include "cuda/packed.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/sequences.h"
@@ -38,13 +38,32 @@ __device__ int block_exclusive_sum(int value, int* warp_sums) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    prepare_sequences_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
-                             const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap o_map,
+    prepare_sequences_kernel(const __grid_constant__ SeqMapTemplates templates,
                              const __grid_constant__ SequencesPrepParams prep) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ int keys[kMaxSortedSequences];
   __shared__ int warp_sums[kThreads / 32];
   const int batch = prep.batch;
+  // Each sequence's maps: the template's copy, based at its first row and cut to its rows (one row where it has none,
+  // the base then the tensor's: such a map is never used).
+  for (int i = threadIdx.x; i < batch * prep.num_maps; i += kThreads) {
+    const int b = i / prep.num_maps;
+    const SeqMapSource& source = prep.sources[i % prep.num_maps];
+    const int* cu = source.query_rows ? prep.cu_seqlens_q : prep.cu_seqlens_k;
+    const int total = source.query_rows ? prep.total_q : prep.total_k;
+    CUtensorMap* const map = prep.maps + i;
+    const uint4* src = reinterpret_cast<const uint4*>(&templates.map[i % prep.num_maps]);
+    uint4* dst = reinterpret_cast<uint4*>(map);
+#pragma unroll
+    for (int w = 0; w < static_cast<int>(sizeof(CUtensorMap) / sizeof(uint4)); ++w) dst[w] = src[w];
+    const int first = clamped_offset(cu, b, total);
+    const int len = sequence_length(cu, b, total);
+    tensormap_replace_address(map, len > 0 ? source.base + first * source.row_bytes : source.base);
+    tensormap_replace_dim<1>(map, static_cast<uint32_t>(max(len, 1)));
+  }
+  fence_tensormap_release();
+  if (prep.order == nullptr) return;
+
   const bool sorted = batch <= kMaxSortedSequences;
   if (sorted) {
     for (int b = threadIdx.x; b < batch; b += kThreads) keys[b] = sequence_length(prep.cu_seqlens_k, b, prep.total_k);
@@ -66,30 +85,6 @@ __global__ void __launch_bounds__(kThreads)
     const int len_q = sequence_length(prep.cu_seqlens_q, b, prep.total_q);
     prep.tile_start[rank + 1] = sequence_m_blocks(len_q, prep.block_m) * prep.heads;
   }
-  // Each sequence's maps: the template's copy, based at its first row and cut to its rows (one row where it has none,
-  // the base then the tensor's: such a map is never used).
-  for (int i = threadIdx.x; i < batch * kSeqMaps; i += kThreads) {
-    const int b = i / kSeqMaps, which = i % kSeqMaps;
-    const bool query_rows = which == kSeqMapQ || which == kSeqMapO;
-    const int* cu = query_rows ? prep.cu_seqlens_q : prep.cu_seqlens_k;
-    const int total = query_rows ? prep.total_q : prep.total_k;
-    const CUtensorMap& from = which == kSeqMapQ ? q_map : which == kSeqMapK ? k_map : which == kSeqMapV ? v_map : o_map;
-    const char* base = which == kSeqMapQ ? prep.q : which == kSeqMapK ? prep.k : which == kSeqMapV ? prep.v : prep.out;
-    const int64_t row_bytes = which == kSeqMapQ   ? prep.q_row_bytes
-                              : which == kSeqMapK ? prep.k_row_bytes
-                              : which == kSeqMapV ? prep.v_row_bytes
-                                                  : prep.o_row_bytes;
-    CUtensorMap* const map = prep.maps + i;
-    const uint4* src = reinterpret_cast<const uint4*>(&from);
-    uint4* dst = reinterpret_cast<uint4*>(map);
-#pragma unroll
-    for (int w = 0; w < static_cast<int>(sizeof(CUtensorMap) / sizeof(uint4)); ++w) dst[w] = src[w];
-    const int first = clamped_offset(cu, b, total);
-    const int len = sequence_length(cu, b, total);
-    tensormap_replace_address(map, len > 0 ? base + first * row_bytes : base);
-    tensormap_replace_dim<1>(map, static_cast<uint32_t>(max(len, 1)));
-  }
-  fence_tensormap_release();
   // tile_start: the exclusive prefix sum of the counts, each thread over a run of ranks.
   __syncthreads();
   const int per_thread = (batch + kThreads - 1) / kThreads;
@@ -107,10 +102,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-cudaError_t prepare_sequences(const SequencesPrepParams& prep, const CUtensorMap (&templates)[kSeqMaps],
-                              cudaStream_t stream) {
-  prepare_sequences_kernel<<<1, kThreads, 0, stream>>>(templates[kSeqMapQ], templates[kSeqMapK], templates[kSeqMapV],
-                                                        templates[kSeqMapO], prep);
+cudaError_t prepare_sequences(const SequencesPrepParams& prep, const SeqMapTemplates& templates, cudaStream_t stream) {
+  prepare_sequences_kernel<<<1, kThreads, 0, stream>>>(templates, prep);
   return cudaGetLastError();
 }
 

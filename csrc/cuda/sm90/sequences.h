@@ -1,10 +1,11 @@
-// Packed sequences in the Hopper forward, host and device halves. Before the kernel, one small kernel (sequences.cu)
+// Packed sequences in the Hopper kernels, host and device halves. Before a kernel, one small kernel (sequences.cu)
 // reads cu_seqlens on the device (the host never does) and writes:
-//   the order in which the sequences' tiles run: longest keys first, so the short tiles come last;
-//   each rank's first tile in that order (its sequence's query blocks times the heads, head by head);
-//   four tensor maps per sequence (q, k, v, out) whose base is the sequence's first row and whose extent its length:
-//   TMA then zero-fills reads past the sequence's end and clips stores there, as it does at a dense tensor's end.
-// The kernel's producer takes tile indices from a counter and decodes them (tile_scheduler.h: SequenceScheduler).
+//   tensor maps per sequence (forward: q, k, v, out; backward: q, k, v, dout, dq_accum) whose base is the
+//   sequence's first row and whose extent its length: TMA then zero-fills reads past the sequence's end and clips
+//   stores there, as it does at a dense tensor's end;
+//   for the forward, the order in which the sequences' tiles run (longest keys first, so the short tiles come last)
+//   and each rank's first tile in that order (its sequence's query blocks times the heads, head by head), from which
+//   the producer decodes the tile indices it takes from a counter (tile_scheduler.h: SequenceScheduler).
 #pragma once
 
 #include <cuda.h>
@@ -14,8 +15,10 @@
 
 namespace flashattn::sm90 {
 
-// A sequence's four maps, in this order.
+// A sequence's maps in the forward, and in the backward, in this order.
 enum SeqMap : int { kSeqMapQ, kSeqMapK, kSeqMapV, kSeqMapO, kSeqMaps };
+enum BwdSeqMap : int { kBwdSeqMapQ, kBwdSeqMapK, kBwdSeqMapV, kBwdSeqMapDout, kBwdSeqMapDq, kBwdSeqMaps };
+inline constexpr int kMaxSeqMaps = 5;
 
 // The call's workspace, byte offsets from its start: the tile counter (zeroed before the launch), the order, the
 // tile starts (batch + 1), the maps (128-byte aligned, as tensormap.replace needs).
@@ -37,25 +40,32 @@ inline constexpr int kMaxSortedSequences = 2048;
 // A sequence's query blocks.
 __host__ __device__ constexpr int sequence_m_blocks(int len_q, int block_m) { return (len_q + block_m - 1) / block_m; }
 
+// A packed tensor the preparation maps per sequence: its base, the bytes from row to row, and whether its rows are
+// the queries' (cu_seqlens_q) or the keys'.
+struct SeqMapSource {
+  const char* base;
+  int64_t row_bytes;
+  bool query_rows;
+};
+
 // What the preparation reads and writes.
 struct SequencesPrepParams {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   int batch, heads, total_q, total_k, block_m;
-  const char* q;  // the packed tensors' bases
-  const char* k;
-  const char* v;
-  char* out;
-  int64_t q_row_bytes, k_row_bytes, v_row_bytes, o_row_bytes;
-  int* order;
+  int num_maps;
+  SeqMapSource sources[kMaxSeqMaps];
+  int* order;  // null: no tile order (the backward)
   int* tile_start;
-  CUtensorMap* maps;  // [batch][kSeqMaps]
+  CUtensorMap* maps;  // [batch][num_maps]
+};
+// The maps over the whole packed tensors (rows = the totals), which each sequence's copy rebases and cuts to its rows.
+struct SeqMapTemplates {
+  CUtensorMap map[kMaxSeqMaps];
 };
 
-// Enqueues the preparation on `stream`. `templates`: the maps over the whole packed q, k, v and out (rows = totals),
-// which each sequence's copy rebases and cuts to its rows.
-cudaError_t prepare_sequences(const SequencesPrepParams& prep, const CUtensorMap (&templates)[kSeqMaps],
-                              cudaStream_t stream);
+// Enqueues the preparation on `stream`.
+cudaError_t prepare_sequences(const SequencesPrepParams& prep, const SeqMapTemplates& templates, cudaStream_t stream);
 
 // A tile as the producer decodes it and hands it to the consumers (eight ints: one mailbox slot).
 struct SeqTile {
