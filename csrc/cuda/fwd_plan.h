@@ -53,7 +53,9 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
   plan.block_m = shape.block_m;
   plan.block_n = shape.block_n;
   plan.schedule = FwdSchedule::kSequences;
-  plan.grid = device.num_sms;
+  // At most one CTA per tile there can be (each sequence's rows in whole tiles: packed.h's slot count).
+  const int64_t most_tiles = (static_cast<int64_t>(p.len_q) / plan.block_m + p.batch) * p.heads;
+  plan.grid = static_cast<int>(std::min<int64_t>(device.num_sms, most_tiles));
   plan.workspace_bytes = sm90::sequences_workspace(p.batch).bytes;
   plan.zeroed_bytes = sizeof(int);
   return plan;

@@ -329,34 +329,70 @@ def test_cuda_nan_in_other_sequences_never_reaches_gradients():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("nan_in", ["neighbours", "middle"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_cuda_nan_in_other_sequences_never_leaks(causal):
-    # Sequence 1 (tails shorter than a key block and a query tile) packed between sequences full of NaN: its rows are
-    # the same bits as alone. TMA reads of a sequence stop at its last row, and its stores too.
-    q, k, v, cu_q, cu_k = packed_inputs([(200, 300)], 4, 2, 128, torch.bfloat16, "cuda")
-    alone = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
-    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(77, 55), (200, 300), (300, 33)], 4, 2, 128, torch.bfloat16, "cuda")
-    for t in (q2, k2, v2):
-        t.fill_(float("nan"))
-    q2[77:277], k2[55:355], v2[55:355] = q, k, v
-    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q2, k2, v2, cu_q2, cu_k2, causal=causal)
-    assert torch.equal(out[77:277], alone[0]) and torch.equal(lse[:, 77:277], alone[1])
+def test_cuda_nan_in_other_sequences_never_leaks(causal, nan_in):
+    # Three sequences (tails shorter than a key block and a query tile), those named by nan_in full of NaN: every
+    # other sequence's rows are the same bits as alone. TMA reads of a sequence stop at its last row (NaN neighbours
+    # never reach the middle one), and so do its stores (the NaN middle one's rows never land in its neighbours).
+    pairs = [(77, 55), (200, 300), (300, 33)]
+    q, k, v, cu_q, cu_k = packed_inputs(pairs, 4, 2, 128, torch.bfloat16, "cuda")
+    alone = []
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        one = [0, rows_q.stop - rows_q.start], [0, rows_k.stop - rows_k.start]
+        cu = tuple(torch.tensor(c, dtype=torch.int32, device="cuda") for c in one)
+        alone.append(flashattn_ext.flash_attn_varlen_with_lse(q[rows_q], k[rows_k], v[rows_k], *cu, causal=causal))
+        if (b == 1) == (nan_in == "middle"):
+            for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k)):
+                t[rows] = float("nan")
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
+    for b, rows_q, _ in sequences(cu_q, cu_k):
+        if (b == 1) != (nan_in == "middle"):
+            assert torch.equal(out[rows_q], alone[b][0]) and torch.equal(lse[:, rows_q], alone[b][1])
 
 
 @pytest.mark.cuda
-def test_cuda_many_sequences():
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_cuda_many_sequences(head_dim, causal):
     # More sequences than the Hopper preparation sorts (they then run in packed order), most of them a few rows long,
     # and some longer ones: every sequence checked against the reference on a sample.
     torch.manual_seed(0)
     lengths = torch.randint(0, 9, (2600,)).tolist()
     lengths[::400] = [700] * len(lengths[::400])
-    q, k, v, cu_q, cu_k = packed_inputs([(n, n) for n in lengths], 4, 4, 64, torch.bfloat16, "cuda")
-    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=True)
+    q, k, v, cu_q, cu_k = packed_inputs([(n, n) for n in lengths], 4, 4, head_dim, torch.bfloat16, "cuda")
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
     for b, rows_q, rows_k in sequences(cu_q, cu_k):
         if b % 97 == 0 or rows_q.stop - rows_q.start == 700:
             assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(),
                                    per_sequence(q, rows_q), per_sequence(k, rows_k), per_sequence(v, rows_k),
-                                   causal=True)
+                                   causal=causal)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_several_tiles_per_cta(head_dim, causal):
+    # Thousands of tiles on a persistent grid of one CTA per SM, longest sequences first: each CTA carries its
+    # pipeline, turns and staged O from one sequence's tile to another's. Forward and (D <= 128) gradients against
+    # the reference, sequence by sequence.
+    torch.manual_seed(1)
+    lengths = torch.randint(1, 2000, (12,)).tolist()
+    pairs = [(n, n if causal else max(1, n // 2 + 17)) for n in lengths]
+    q, k, v, cu_q, cu_k = packed_inputs(pairs, 16, 4, head_dim, torch.bfloat16, "cuda")
+    grad = head_dim <= 128
+    q, k, v = leaves(q, k, v) if grad else (q, k, v)
+    out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
+    if grad:
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    for _, rows_q, rows_k in sequences(cu_q, cu_k):
+        seq = tuple(per_sequence(t, r).detach() for t, r in ((q, rows_q), (k, rows_k), (v, rows_k)))
+        assert_attention_close(per_sequence(out, rows_q).detach(), lse[None, :, rows_q].contiguous().detach(), *seq,
+                               causal=causal)
+        if grad:
+            seq_grads = tuple(per_sequence(g, r) for g, r in ((grads[0], rows_q), (grads[1], rows_k),
+                                                               (grads[2], rows_k)))
+            assert_grads_close(seq_grads, *seq, per_sequence(dout, rows_q), None, causal=causal)
 
 
 @pytest.mark.cuda
@@ -405,13 +441,16 @@ def test_cuda_graph_replays_new_lengths():
 
 @pytest.mark.cuda
 def test_cuda_bad_cu_seqlens_never_fault():
-    # Values that break the rules cannot be checked without a synchronisation: they give wrong rows, never a fault.
+    # Values that break the rules cannot be checked without a synchronisation: they give wrong rows, never a fault,
+    # forward and backward.
     q, k, v, _, _ = packed_inputs([(7, 7)], 2, 2, 64, torch.bfloat16, "cuda")
     for bad in ([0, 1000, 7], [0, -5, 7], [0, 3, 2], [5, 2, 1]):
         cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
         out = flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=True)
+        out_, lse = fwd_varlen(q, k, v, cu, cu, causal=True)
+        grads = bwd_varlen(torch.randn_like(out_), q, k, v, out_, lse, cu, cu, causal=True)
         torch.cuda.synchronize()
-        assert out.shape == q.shape
+        assert out.shape == q.shape and grads[0].shape == q.shape
 
 
 @pytest.mark.cuda

@@ -74,7 +74,8 @@ struct KeyBlock {
       const int row_end = max(0, min(len_q(p), n_start + Traits::kBlockN - shift + left(p)));
       m_end = max(m_begin, (row_end + Traits::kBlockM - 1) / Traits::kBlockM);
     }
-    if (kSequences && n_start >= len_k(p)) m_begin = m_end = 0;  // an idle slot
+    // An idle slot (or, from cu_seqlens that break their rules, one before its sequence's first key).
+    if (kSequences && (n_start < 0 || n_start >= len_k(p))) m_begin = m_end = 0;
   }
   __device__ static int left(const BwdParams& p) { return kOptions ? p.window_left : -1; }
   __device__ static int right(const BwdParams& p) { return kCausal ? (kOptions ? p.window_right : 0) : -1; }

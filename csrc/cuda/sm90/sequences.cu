@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kThreads)
   const int batch = prep.batch;
   // Each sequence's maps: the template's copy, based at its first row and cut to its rows (one row where it has none,
   // the base then the tensor's: such a map is never used).
-  for (int i = threadIdx.x; i < batch * prep.num_maps; i += kThreads) {
-    const int b = i / prep.num_maps;
+  for (int64_t i = threadIdx.x; i < static_cast<int64_t>(batch) * prep.num_maps; i += kThreads) {
+    const int b = static_cast<int>(i / prep.num_maps);
     const SeqMapSource& source = prep.sources[i % prep.num_maps];
     const int* cu = source.query_rows ? prep.cu_seqlens_q : prep.cu_seqlens_k;
     const int total = source.query_rows ? prep.total_q : prep.total_k;
