@@ -318,3 +318,93 @@ def test_cuda_bad_values_never_fault():
     block_table[0, 0], block_table[1, 3] = -1, 10**6
     flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table)
     torch.cuda.synchronize()
+
+
+# ---- a decode loop -------------------------------------------------------------------------------------------------
+
+
+def tiny_decoder(vocab, dim, heads, heads_kv, layers, max_len, dtype, device, seed=0):
+    """Weights of a small pre-norm decoder (learned positions, attention with GQA, a GELU MLP), logits scaled up so
+    that greedy choices are not near-ties."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    head_dim = dim // heads
+    return dict(
+        heads=heads, heads_kv=heads_kv, head_dim=head_dim, emb=w(vocab, dim, scale=1.0), pos=w(max_len, dim, scale=0.5),
+        layers=[dict(wq=w(dim, heads * head_dim, scale=dim**-0.5), wk=w(dim, heads_kv * head_dim, scale=dim**-0.5),
+                     wv=w(dim, heads_kv * head_dim, scale=dim**-0.5), wo=w(heads * head_dim, dim, scale=dim**-0.5),
+                     w1=w(dim, 2 * dim, scale=dim**-0.5), w2=w(2 * dim, dim, scale=(2 * dim) ** -0.5))
+                for _ in range(layers)],
+        unembed=w(dim, vocab, scale=4 * dim**-0.5),
+    )
+
+
+def decoder_step(model, tokens, start, attend):
+    """Logits of the last of `tokens` (B, T), at positions start .. start + T - 1; attend(layer, q, k, v) with q
+    (B, H, T, D) and the new k, v (B, Hk, T, D) keeps the layer's cache and returns (B, H, T, D)."""
+    x = model["emb"][tokens] + model["pos"][start : start + tokens.shape[1]]
+    batch, steps = tokens.shape
+    for i, layer in enumerate(model["layers"]):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        q, k, v = (
+            (h @ layer[name]).view(batch, steps, -1, model["head_dim"]).transpose(1, 2) for name in ("wq", "wk", "wv")
+        )
+        x = x + attend(i, q, k, v).transpose(1, 2).reshape(batch, steps, -1) @ layer["wo"]
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],))
+        x = x + torch.nn.functional.gelu(h @ layer["w1"]) @ layer["w2"]
+    return (torch.nn.functional.rms_norm(x[:, -1], (x.shape[-1],)) @ model["unembed"]).float()
+
+
+def greedy(model, prompt, new_tokens, attend):
+    tokens, start, step = prompt, 0, prompt
+    for _ in range(new_tokens):
+        next_token = decoder_step(model, step, start, attend).argmax(-1, keepdim=True)
+        start += step.shape[1]
+        step = next_token
+        tokens = torch.cat([tokens, next_token], 1)
+    return tokens
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16])
+def test_greedy_decode_loop_matches_sdpa(device, dtype, paged):
+    # A small GQA model decodes 64 tokens greedily, its K/V appended into our cache (dense, or pages in a random
+    # order) and attended through flash_attn_with_kvcache: the same tokens as with SDPA over concatenated K/V.
+    batch, prompt_len, new_tokens, page_size = 2, 9, 64, 16
+    max_len = prompt_len + new_tokens
+    model = tiny_decoder(48, 128, 8, 2, 2, max_len, dtype, device)
+    prompt = torch.randint(0, 48, (batch, prompt_len), generator=torch.Generator().manual_seed(1)).to(device)
+
+    past = {}
+
+    def sdpa(layer, q, k, v):
+        keys, values = past.get(layer, (k[:, :, :0], v[:, :, :0]))
+        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        past[layer] = (keys, values)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, is_causal=q.shape[2] > 1,
+                                                                enable_gqa=True)
+
+    want = greedy(model, prompt, new_tokens, sdpa)
+
+    shape = (batch, model["heads_kv"], max_len, model["head_dim"])
+    pages_per_entry = (max_len + page_size - 1) // page_size
+    num_pages = batch * pages_per_entry + 2
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(2))[: batch * pages_per_entry]
+    block_table = order.view(batch, pages_per_entry).to(torch.int32).to(device)
+    page_shape = (num_pages, model["heads_kv"], page_size, model["head_dim"])
+    caches = [tuple(torch.full(page_shape if paged else shape, float("nan"), dtype=dtype, device=device)
+                    for _ in range(2)) for _ in model["layers"]]
+    lengths = [torch.zeros(batch, dtype=torch.int32, device=device) for _ in model["layers"]]
+
+    def ours(layer, q, k, v):
+        k_cache, v_cache = caches[layer]
+        out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths[layer],
+                                                    block_table=block_table if paged else None, causal=True)
+        lengths[layer] += k.shape[2]
+        return out
+
+    got = greedy(model, prompt, new_tokens, ours)
+    assert torch.equal(got, want)
