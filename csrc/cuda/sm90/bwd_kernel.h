@@ -423,14 +423,7 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
     if constexpr (kSequences) {
-      SequencesPrepParams prep{};
-      prep.cu_seqlens_q = params.cu_seqlens_q;
-      prep.cu_seqlens_k = params.cu_seqlens_k;
-      prep.batch = params.batch;
-      prep.heads = params.heads;
-      prep.total_q = params.len_q;
-      prep.total_k = params.len_k;
-      prep.num_maps = kBwdSeqMaps;
+      SequencesPrepParams prep = sequences_prep(params, kBwdSeqMaps);
       prep.sources[kBwdSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
       prep.sources[kBwdSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
       prep.sources[kBwdSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};

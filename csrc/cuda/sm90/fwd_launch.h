@@ -19,15 +19,8 @@ namespace flashattn::sm90 {
 template <typename Traits>
 cudaError_t prepare_fwd_sequences(const FwdParams& params, const CUtensorMap& q_map, const CUtensorMap& k_map,
                                   const CUtensorMap& v_map, const CUtensorMap& o_map, cudaStream_t stream) {
-  SequencesPrepParams prep{};
-  prep.cu_seqlens_q = params.cu_seqlens_q;
-  prep.cu_seqlens_k = params.cu_seqlens_k;
-  prep.batch = params.batch;
-  prep.heads = params.heads;
-  prep.total_q = params.len_q;
-  prep.total_k = params.len_k;
+  SequencesPrepParams prep = sequences_prep(params, kSeqMaps);
   prep.block_m = Traits::kBlockM;
-  prep.num_maps = kSeqMaps;
   prep.sources[kSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
   prep.sources[kSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
   prep.sources[kSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};

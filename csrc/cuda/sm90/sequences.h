@@ -64,6 +64,21 @@ struct SeqMapTemplates {
   CUtensorMap map[kMaxSeqMaps];
 };
 
+// The preparation's sizes for a packed call's FwdParams or BwdParams (its totals in len_q and len_k), num_maps maps
+// per sequence; the caller names their sources.
+template <typename Params>
+SequencesPrepParams sequences_prep(const Params& p, int num_maps) {
+  SequencesPrepParams prep{};
+  prep.cu_seqlens_q = p.cu_seqlens_q;
+  prep.cu_seqlens_k = p.cu_seqlens_k;
+  prep.batch = p.batch;
+  prep.heads = p.heads;
+  prep.total_q = p.len_q;
+  prep.total_k = p.len_k;
+  prep.num_maps = num_maps;
+  return prep;
+}
+
 // Enqueues the preparation on `stream`.
 cudaError_t prepare_sequences(const SequencesPrepParams& prep, const SeqMapTemplates& templates, cudaStream_t stream);
 
