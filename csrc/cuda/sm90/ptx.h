@@ -199,7 +199,7 @@ __device__ __forceinline__ void tensormap_replace_dim(void* map, uint32_t extent
                : "memory");
 }
 // Tensor maps written by threads (generic proxy), then read by TMA (tensormap proxy): the writer releases them, and
-// each thread that issues TMA with a map acquires it (this also drops a stale copy of the address from the TMA unit).
+// each thread that issues TMA with a map acquires it first.
 __device__ __forceinline__ void fence_tensormap_release() {
   asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
 }
