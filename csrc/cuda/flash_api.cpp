@@ -143,6 +143,14 @@ bool sm90_device(const at::Tensor& q) {
 #endif
 }
 
+// What q's GPU offers a forward (whether TMA can map the inputs is the caller's to ask: tma_maps_inputs).
+FwdDevice fwd_device(const at::Tensor& q) {
+  FwdDevice device{};
+  device.sm90 = sm90_device(q);
+  device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  return device;
+}
+
 // Whether TMA can describe the inputs of `p` as they are (the driver encodes their maps; sm90/tma.h): q, k, v, and for
 // the backward dout too.
 // The driver encodes the maps in the thread's current context. A thread's first CUDA work may be this call (autograd
@@ -272,9 +280,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   params.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
-  FwdDevice device{};
-  device.sm90 = sm90_device(q);
-  device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  FwdDevice device = fwd_device(q);
   const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
   // The decode path needs no maps.
   device.tma_maps_q_kv =
@@ -569,9 +575,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   // portable one.
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   const Switches& sw = switches();
-  FwdDevice device{};
-  device.sm90 = sm90_device(q);
-  device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const FwdDevice device = fwd_device(q);
   const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
   FwdParams all_rows = p;
   all_rows.batch = 1;
@@ -758,7 +762,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (decode_applies(p, switches())) {
-    p.plan = plan_decode(p, bucket, at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount, num_splits);
+    p.plan = plan_decode(p, bucket, fwd_device(q).num_sms, num_splits);
   } else {
     p.plan.kernel = FwdKernel::kSm80;
     p.plan.head_dim = bucket;
