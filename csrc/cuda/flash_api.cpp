@@ -318,7 +318,8 @@ BwdParams make_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at:
 // float32).
 enum class BwdPath { kSm90, kSm80, kChunked };
 
-// `sequences`: the sm80 sequences variant (packed sequences, ordered dQ), which takes the band (options) too.
+// `sequences`: packed sequences, in the sequences variants (sm80: the band and the ordered dQ too; Hopper: the options
+// variants up to D128, the plain one at D256).
 cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool options, bool sequences,
                        BwdPath path, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
@@ -332,9 +333,10 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
           constexpr bool kOptions = decltype(options_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
           if constexpr (sm90_bwd_covers(kBucket) && (!kOptions || sm90_kernel_head_dim(kBucket) <= 128)) {
-            if (path == BwdPath::kSm90 && sequences) {
-              if constexpr (kOptions) {
-                err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, true, true>(params, stream);
+            constexpr int kHopperHeadDim = sm90_kernel_head_dim(kBucket);
+            if (path == BwdPath::kSm90 && sequences) {  // the options variants up to D128, the plain one at D256
+              if constexpr (kOptions == (kHopperHeadDim <= 128)) {
+                err = sm90::run_bwd_sm90<T, kHopperHeadDim, kCausal, kOptions, true>(params, stream);
               }
             } else if (path == BwdPath::kSm90) {
               err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions, false>(params, stream);
@@ -607,10 +609,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const double softmax_scale = resolve_scale(scale, vs.head_dim, op);
   const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
   const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
-  const int bucket = head_dim_bucket(vs.head_dim);
-  TORCH_CHECK(head_dim_bucket_built(bucket) && bucket <= kMaxFusedBwdSm80Bucket, op,
-              ": on CUDA the packed backward takes head dims up to ", kMaxFusedBwdSm80Bucket, " in this version, got ",
-              vs.head_dim);
+  const int bucket = built_bucket(vs.head_dim, op);
+  // Above the portable kernel's buckets only the Hopper kernel at D256 takes packed sequences: without windows or
+  // softcap (sinks enter through lse alone), its dQ additions in any order.
+  const Switches& sw = switches();
+  const bool large = bucket > kMaxFusedBwdSm80Bucket;
+  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
+                          !deterministic && (!large || (!mods.window() && mods.softcap == 0.0));
+  TORCH_CHECK(!large || wants_sm90, op, ": on CUDA the packed backward takes head dims above ",
+              kMaxFusedBwdSm80Bucket, " only on Hopper, without windows or softcap and without deterministic "
+              "algorithms; got head dim ", vs.head_dim);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).
@@ -673,21 +681,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.dv = dv.data_ptr();
   // The Hopper sequences kernel (its dQ additions in any order) where TMA can describe the packed tensors as one batch
   // entry of all rows, with room for each sequence's maps; else the portable one.
-  const Switches& sw = switches();
-  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
-                          sm90_kernel_head_dim(bucket) <= 128 && !deterministic;
   BwdParams all_rows = p;
   all_rows.batch = 1;
   const bool sm90 = wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device());
-  TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90, op, ": FLASHATTN_BWD_SM90=strict, but the "
-              "Hopper kernel cannot take these inputs (TMA cannot describe the strides of q, k, v or dout)");
+  TORCH_CHECK((sw.bwd_sm90 != Sm90Use::kStrict && !large) || !wants_sm90 || sm90, op, ": the Hopper kernel cannot "
+              "take these inputs (TMA cannot describe the strides of q, k, v or dout), and FLASHATTN_BWD_SM90=strict "
+              "or the head dim (above ", kMaxFusedBwdSm80Bucket, ") leaves no other");
   at::Tensor seq_maps;
   if (sm90) {
     seq_maps = at::empty({vs.batch * sm90::kBwdSeqMaps * static_cast<int64_t>(sizeof(CUtensorMap))},
                          q.options().dtype(at::kByte));
     p.seq_maps = seq_maps.data_ptr();
   }
-  const cudaError_t err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true,
+  const cudaError_t err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/!large, /*sequences=*/true,
                                      sm90 ? BwdPath::kSm90 : BwdPath::kSm80, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());

@@ -300,12 +300,15 @@ def grads_checked(pairs, head_dim, mods, seed=0):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mods", ["plain", "causal", "window", "softcap-sinks"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "head_dim,mods", [(d, m) for d in (64, 128) for m in ("plain", "causal", "window", "softcap-sinks")] +
+    [(d, m) for d in (192, 256) for m in ("plain", "causal")])
 def test_cuda_backward_each_kernel(head_dim, mods):
-    # The portable backward and, on Hopper, the TMA one (strict: it must take the call), both against the reference.
+    # The portable backward (up to D128) and, on Hopper, the TMA one (strict: it must take the call; above D128 the
+    # only one), both against the reference.
     pairs = MIXED + [(1000, 1000), (130, 1500)]
-    run_isolated({"FLASHATTN_BWD_SM90": "0"}, "op.test_varlen", "grads_checked", pairs, head_dim, mods)
+    if head_dim <= 128:
+        run_isolated({"FLASHATTN_BWD_SM90": "0"}, "op.test_varlen", "grads_checked", pairs, head_dim, mods)
     if torch.cuda.get_device_capability() == (9, 0):
         run_isolated({"FLASHATTN_BWD_SM90": "strict"}, "op.test_varlen", "grads_checked", pairs, head_dim, mods)
 
@@ -483,10 +486,19 @@ def test_no_keys_anywhere_sink_gradient(device, dtype):
 
 @pytest.mark.cuda
 def test_cuda_backward_refuses_what_it_lacks():
+    # Above D128 only the Hopper kernel takes packed sequences: not with windows, softcap or deterministic algorithms
+    # (and not at all off Hopper).
     q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 192, torch.bfloat16, "cuda")
+    refused = [dict(window_size=(5, 0), causal=True), dict(softcap=3.0)]
+    if torch.cuda.get_device_capability() != (9, 0):
+        refused.append(dict())
+    for mods in refused:
+        out, lse = fwd_varlen(q, k, v, cu_q, cu_k, **mods)
+        with pytest.raises(RuntimeError, match="head dims above 128 only on Hopper"):
+            bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, **mods)
     out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
-    with pytest.raises(RuntimeError, match="head dims up to 128"):
-        bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k)
+    with pytest.raises(RuntimeError, match="head dims above 128 only on Hopper"):
+        bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, deterministic=True)
 
 
 def packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs):

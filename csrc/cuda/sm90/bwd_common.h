@@ -37,7 +37,7 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first; with an ordered
 // dQ (p.dq_semaphore) the causal order turns round (the shortest first), matching the order of the dQ additions.
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
-// query blocks on both sides; never with an ordered dQ. kSequences (with kOptions, never ordered): packed sequences,
+// query blocks on both sides; never with an ordered dQ. kSequences (never ordered): packed sequences,
 // CTA = a slot of packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA
 // goes through the sequence's own maps (sequences.h) at batch coordinate 0.
 template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>

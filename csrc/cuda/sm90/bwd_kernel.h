@@ -389,12 +389,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller): this file's kernel for
 // head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
-// another backward). kOptions (windows, softcap): head dims 64 and 128. kSequences (with kOptions, not ordered):
-// packed sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
+// another backward). kOptions (windows, softcap): head dims 64 and 128. kSequences (not ordered): packed sequences
+// (params.cu_seqlens_*; params.seq_maps, which the preparation fills first), with kOptions up to D128 and without
+// them at D256.
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kOptions || HeadDim <= 128, "the options variant covers head dims 64 and 128");
-  static_assert(!kSequences || (kOptions && HeadDim <= 128), "packed sequences: the options variant, D <= 128");
+  static_assert(!kSequences || kOptions == (HeadDim <= 128), "packed sequences: options up to D128, plain at D256");
   using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   // Packed sequences: maps over all rows as one batch entry, which the preparation cuts into each sequence's.
@@ -415,28 +416,28 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   if (!make_dq_accum_map(&dq_map, shape.dq_accum, shape.batch, shape.heads, shape.len_q, shape.head_dim, 64)) {
     return cudaErrorNotSupported;
   }
-  if constexpr (HeadDim == 256) {
-    constexpr auto kernel = flash_bwd_split_sm90_kernel<T, Traits, kCausal>;
-    if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
-    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
-  } else {
-    constexpr auto kernel = flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
-    if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
-    if constexpr (kSequences) {
-      SequencesPrepParams prep = sequences_prep(params, kBwdSeqMaps);
-      prep.sources[kBwdSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
-      prep.sources[kBwdSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
-      prep.sources[kBwdSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};
-      prep.sources[kBwdSeqMapDout] = {static_cast<const char*>(params.dout), params.do_row_stride * 2, true};
-      prep.sources[kBwdSeqMapDq] = {reinterpret_cast<const char*>(params.dq_accum),
-                                    static_cast<int64_t>(params.head_dim) * 4, true};
-      prep.maps = static_cast<CUtensorMap*>(params.seq_maps);
-      const SeqMapTemplates templates{{q_map, k_map, v_map, do_map, dq_map}};
-      const cudaError_t err = prepare_sequences(prep, templates, stream);
-      if (err != cudaSuccess) return err;
+  const auto kernel = [] {
+    if constexpr (HeadDim == 256) {
+      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kSequences>;
+    } else {
+      return flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     }
-    kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
+  }();
+  if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
+  if constexpr (kSequences) {
+    SequencesPrepParams prep = sequences_prep(params, kBwdSeqMaps);
+    prep.sources[kBwdSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
+    prep.sources[kBwdSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
+    prep.sources[kBwdSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};
+    prep.sources[kBwdSeqMapDout] = {static_cast<const char*>(params.dout), params.do_row_stride * 2, true};
+    prep.sources[kBwdSeqMapDq] = {reinterpret_cast<const char*>(params.dq_accum),
+                                  static_cast<int64_t>(params.head_dim) * 4, true};
+    prep.maps = static_cast<CUtensorMap*>(params.seq_maps);
+    const SeqMapTemplates templates{{q_map, k_map, v_map, do_map, dq_map}};
+    const cudaError_t err = prepare_sequences(prep, templates, stream);
+    if (err != cudaSuccess) return err;
   }
+  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(q_map, k_map, v_map, do_map, dq_map, params);
   return cudaGetLastError();
 }
 

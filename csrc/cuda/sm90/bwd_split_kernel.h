@@ -126,7 +126,7 @@ __device__ __forceinline__ void issue_tile_times_half(float (&acc)[Traits::kHalf
   }
 }
 
-template <typename T, typename Traits, bool kCausal>
+template <typename T, typename Traits, bool kCausal, bool kSequences = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -136,9 +136,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHalf = Traits::kHalf;
 
-  const KeyBlock<Traits, kCausal> block(p);
+  const KeyBlock<Traits, kCausal, false, kSequences> block(p);
   const int n_start = block.n_start;
-  const int causal_shift = p.len_k - p.len_q;
+  const int causal_shift = block.len_k(p) - block.len_q(p);
 
   extern __shared__ unsigned char smem_raw[];
   const BwdSplitSharedStorage<T, Traits> smem(smem_raw);
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_steps = block.num_steps(p);
   RowStats stats;
   const auto load_stats = [&](int step) {
-    stats.load(p, block.row_base(step, p), block.m_start(step) + thread, p.len_q, consumer == 1);
+    stats.load(p, block.row_base(step, p), block.m_start(step) + thread, block.len_q(p), consumer == 1);
   };
   if (thread < kBlockM) load_stats(0);
 
@@ -212,8 +212,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (step > 0) store_dq_tile(dq_late);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
-      masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, p.len_q, p.len_k, m_start,
-                                                      n_start, causal_shift, key0, lane);
+      masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, block.len_q(p),
+                                                      block.len_k(p), m_start, n_start, causal_shift, key0, lane);
       store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
 #pragma unroll
       for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
