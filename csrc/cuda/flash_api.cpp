@@ -318,8 +318,7 @@ BwdParams make_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at:
 // float32).
 enum class BwdPath { kSm90, kSm80, kChunked };
 
-// `sequences`: packed sequences, in the sequences variants (sm80: the band and the ordered dQ too; Hopper: the options
-// variants up to D128, the plain one at D256).
+// `sequences`: packed sequences, in the sequences variants (which take the band too; sm80: the ordered dQ too).
 cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool options, bool sequences,
                        BwdPath path, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
@@ -332,12 +331,10 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
         dispatch_bool(options, [&](auto options_tag) {
           constexpr bool kOptions = decltype(options_tag)::value;
 #ifdef FLASHATTN_WITH_SM90
-          if constexpr (sm90_bwd_covers(kBucket) && (!kOptions || sm90_kernel_head_dim(kBucket) <= 128)) {
+          if constexpr (sm90_bwd_covers(kBucket)) {
             constexpr int kHopperHeadDim = sm90_kernel_head_dim(kBucket);
-            if (path == BwdPath::kSm90 && sequences) {  // the options variants up to D128, the plain one at D256
-              if constexpr (kOptions == (kHopperHeadDim <= 128)) {
-                err = sm90::run_bwd_sm90<T, kHopperHeadDim, kCausal, kOptions, true>(params, stream);
-              }
+            if (path == BwdPath::kSm90 && sequences) {  // in the options variants
+              if constexpr (kOptions) err = sm90::run_bwd_sm90<T, kHopperHeadDim, kCausal, true, true>(params, stream);
             } else if (path == BwdPath::kSm90) {
               err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions, false>(params, stream);
             }
@@ -418,12 +415,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   if (sw.chunked_bwd || !head_dim_bucket_built(bucket) || s.empty() || s.len_k == 0) {
     return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   }
-  // Windows and softcap run in the kernels' options variants (Hopper up to D128), whose causal means a band with a
-  // right edge; sinks only change lse, which every kernel takes.
+  // Windows and softcap run in the kernels' options variants, whose causal means a band with a right edge; sinks only
+  // change lse, which every kernel takes.
   const bool options = mods.window() || mods.softcap > 0.0;
   const bool causal = options ? mods.right >= 0 : mods.causal();
-  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
-                          (!options || sm90_kernel_head_dim(bucket) <= 128);
+  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
   // The fused kernels add dQ up across CTAs in an order that varies, except with dQ semaphores: the Hopper kernels'
   // without options, and the sm80 sequences variant's (any band) up to its largest bucket. deterministic=True takes
   // one of those, else the chunked backward.
@@ -610,15 +606,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
   const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
   const int bucket = built_bucket(vs.head_dim, op);
-  // Above the portable kernel's buckets only the Hopper kernel at D256 takes packed sequences: without windows or
-  // softcap (sinks enter through lse alone), its dQ additions in any order.
+  // Above the portable kernel's buckets only the Hopper kernel takes packed sequences (its dQ additions in any order).
   const Switches& sw = switches();
   const bool large = bucket > kMaxFusedBwdSm80Bucket;
-  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) &&
-                          !deterministic && (!large || (!mods.window() && mods.softcap == 0.0));
+  const bool wants_sm90 =
+      sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) && !deterministic;
   TORCH_CHECK(!large || wants_sm90, op, ": on CUDA the packed backward takes head dims above ",
-              kMaxFusedBwdSm80Bucket, " only on Hopper, without windows or softcap and without deterministic "
-              "algorithms; got head dim ", vs.head_dim);
+              kMaxFusedBwdSm80Bucket, " only on Hopper and without deterministic algorithms; got head dim ",
+              vs.head_dim);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).
@@ -693,7 +688,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
                          q.options().dtype(at::kByte));
     p.seq_maps = seq_maps.data_ptr();
   }
-  const cudaError_t err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/!large, /*sequences=*/true,
+  const cudaError_t err = launch_bwd(p, is_bf16, bucket, mods.right >= 0, /*options=*/true, /*sequences=*/true,
                                      sm90 ? BwdPath::kSm90 : BwdPath::kSm80, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   at::Tensor dq = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());

@@ -17,10 +17,8 @@ PLAIN = (("noncausal", "false"), ("causal", "true"))
 WITH_OPTIONS = (("noncausal", "false, false"), ("causal", "true, false"), ("options", "false, true"))
 # The Hopper forward's options variants come in both schedules (a band with a right edge runs as causal).
 WITH_OPTIONS_BOTH = WITH_OPTIONS + (("options_causal", "true, true"),)
-# The Hopper kernels' also with packed sequences (the backward's options variants up to D128; at D256, where it has
-# none, its plain ones).
+# The Hopper kernels' also with packed sequences.
 SM90_SEQUENCES = (("sequences", "false, true, true"), ("sequences_causal", "true, true, true"))
-SM90_SEQUENCES_PLAIN = (("sequences", "false, false, true"), ("sequences_causal", "true, false, true"))
 FWD_SM90 = tuple((name, args + ", false") for name, args in WITH_OPTIONS_BOTH) + SM90_SEQUENCES
 BWD_SM90 = tuple((name, args + ", false") for name, args in WITH_OPTIONS_BOTH)
 # The sm80 kernels' options variant also comes with per-sequence lengths and offsets (packed sequences, a KV cache,
@@ -32,7 +30,7 @@ KERNELS = (
     ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_SEQUENCES),
     ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", FWD_SM90),
     ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams",
-     lambda head_dim: BWD_SM90 + SM90_SEQUENCES if head_dim <= 128 else BWD_SM90[:2] + SM90_SEQUENCES_PLAIN),
+     BWD_SM90 + SM90_SEQUENCES),
     # The decode path (any GPU from sm80): dense K/V or a paged cache.
     ("decode", "cuda/sm80/decode_kernel.h", "flashattn::sm80::run_decode", "FwdParams",
      (("dense", "false"), ("paged", "true"))),

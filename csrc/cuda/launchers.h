@@ -37,8 +37,8 @@ namespace sm90 {
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
-// kOptions: head dims 64 and 128 only; kSequences (with kOptions up to D128, without at D256): packed sequences
-// (params.seq_maps: kBwdSeqMaps maps per sequence, 128-byte aligned, for the preparation to fill).
+// kOptions: windows and softcap; kSequences (with kOptions): packed sequences (params.seq_maps: kBwdSeqMaps maps per
+// sequence, 128-byte aligned, for the preparation to fill).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 }  // namespace sm90

@@ -389,13 +389,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller): this file's kernel for
 // head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
-// another backward). kOptions (windows, softcap): head dims 64 and 128. kSequences (not ordered): packed sequences
-// (params.cu_seqlens_*; params.seq_maps, which the preparation fills first), with kOptions up to D128 and without
-// them at D256.
+// another backward). kOptions: windows and softcap (never ordered). kSequences (with kOptions): packed sequences
+// (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
-  static_assert(!kOptions || HeadDim <= 128, "the options variant covers head dims 64 and 128");
-  static_assert(!kSequences || kOptions == (HeadDim <= 128), "packed sequences: options up to D128, plain at D256");
+  static_assert(!kSequences || kOptions, "packed sequences run in the options variants");
   using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   // Packed sequences: maps over all rows as one batch entry, which the preparation cuts into each sequence's.
@@ -418,7 +416,7 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   }
   const auto kernel = [] {
     if constexpr (HeadDim == 256) {
-      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kSequences>;
+      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     } else {
       return flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     }

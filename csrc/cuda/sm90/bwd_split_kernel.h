@@ -15,6 +15,10 @@
 // reads the first. With p.dq_semaphore the writers add in key-block order (deterministic), as in bwd_kernel.h. Three
 // 256-thread named barriers per step: step start (lse/delta staged, the previous step's tiles free), P^T ready, dS^T
 // ready. 226 KB of shared memory.
+//
+// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
+// softcap, warpgroup 1 forms t = tanh(scale * S^T / softcap), P^T = exp2(softcap * t * log2 e - lse), and passes
+// P^T (1 - t^2) as the fp32 P^T, so that warpgroup 2's dS^T = P^T (dP^T - delta) (1 - t^2) needs nothing more.
 #pragma once
 
 #include <cuda.h>
@@ -126,7 +130,7 @@ __device__ __forceinline__ void issue_tile_times_half(float (&acc)[Traits::kHalf
   }
 }
 
-template <typename T, typename Traits, bool kCausal, bool kSequences = false>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -136,7 +140,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHalf = Traits::kHalf;
 
-  const KeyBlock<Traits, kCausal, false, kSequences> block(p);
+  using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
+  const Block block(p);
   const int n_start = block.n_start;
   const int causal_shift = block.len_k(p) - block.len_q(p);
 
@@ -212,11 +217,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (step > 0) store_dq_tile(dq_late);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
-      masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, block.len_q(p),
-                                                      block.len_k(p), m_start, n_start, causal_shift, key0, lane);
-      store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
+      if constexpr (kOptions) {
+        // Masked: queries past Lq, keys past Lk, and outside the band; only blocks at an edge test them.
+        const int len_q = block.len_q(p), len_k = block.len_k(p);
+        const int left = Block::left(p), right = Block::right(p);
+        const bool needs_mask = m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
+                                (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
+                                (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+        const bool capped = p.softcap > 0.f;
+        const float cap_scale = capped ? p.scale / p.softcap : 0.f;
+        const float exp_scale = capped ? p.softcap * 1.4426950408889634f : p.scale_log2;
 #pragma unroll
-      for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int col = 8 * j + 2 * (lane % 4) + i % 2;
+            const int key = key0 + 8 * (i / 2), query = m_start + col;
+            const float t = capped ? fast_tanh(acc[4 * j + i] * cap_scale) : acc[4 * j + i];
+            const bool masked = needs_mask && (query >= len_q || key >= len_k ||
+                                               (right >= 0 && key > query + causal_shift + right) ||
+                                               (left >= 0 && key < query + causal_shift - left));
+            const float prob = masked ? 0.f : fast_exp2(fmaf(t, exp_scale, -smem.lse_log2[col]));
+            acc[4 * j + i] = prob;
+            smem.p_exact[(4 * j + i) * 128 + thread] = capped ? prob * (1.f - t * t) : prob;  // dS from fp32 P
+          }
+        }
+        store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
+      } else {
+        masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, block.len_q(p),
+                                                        block.len_k(p), m_start, n_start, causal_shift, key0, lane);
+        store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
+#pragma unroll
+        for (int i = 0; i < kBlockM / 2; ++i) smem.p_exact[i * 128 + thread] = acc[i];  // dS from fp32 P
+      }
       fence_proxy_async_smem();
     } else {
       mbarrier_wait(&smem.do_full[do_stage], do_parity);
