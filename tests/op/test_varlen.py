@@ -375,13 +375,13 @@ def test_cuda_many_sequences(head_dim, causal):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_cuda_several_tiles_per_cta(head_dim, causal):
     # Thousands of tiles on a persistent grid of one CTA per SM, longest sequences first: each CTA carries its
-    # pipeline, turns and staged O from one sequence's tile to another's. Forward and (D <= 128) gradients against
-    # the reference, sequence by sequence.
+    # pipeline, turns and staged O from one sequence's tile to another's. Forward and gradients (D256: on Hopper)
+    # against the reference, sequence by sequence.
     torch.manual_seed(1)
     lengths = torch.randint(1, 2000, (12,)).tolist()
     pairs = [(n, n if causal else max(1, n // 2 + 17)) for n in lengths]
     q, k, v, cu_q, cu_k = packed_inputs(pairs, 16, 4, head_dim, torch.bfloat16, "cuda")
-    grad = head_dim <= 128
+    grad = head_dim <= 128 or torch.cuda.get_device_capability() == (9, 0)
     q, k, v = leaves(q, k, v) if grad else (q, k, v)
     out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
     if grad:
