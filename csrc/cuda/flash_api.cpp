@@ -612,8 +612,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const bool wants_sm90 =
       sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) && !deterministic;
   TORCH_CHECK(!large || wants_sm90, op, ": on CUDA the packed backward takes head dims above ",
-              kMaxFusedBwdSm80Bucket, " only on Hopper and without deterministic algorithms; got head dim ",
-              vs.head_dim);
+              kMaxFusedBwdSm80Bucket, " only on Hopper (FLASHATTN_BWD_SM90 not 0) and without deterministic algorithms; "
+              "got head dim ", vs.head_dim);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).

@@ -87,6 +87,16 @@ def test_window_grads_head_dims(device, dtype, head_dim):
     run_grads(q, k, v, True, None, (100, 0))
 
 
+@pytest.mark.parametrize("len_q,len_k", [(257, 129), (70, 300)], ids=["q257-k129", "q70-k300"])
+@pytest.mark.parametrize("window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+def test_window_grads_d256(device, dtype, causal, window, len_q, len_k):
+    # Every window at D256 (on Hopper its split backward's options variant), Lq != Lk both ways.
+    q, k, v = make_qkv(1, 2, 1, len_q, len_k, 256, dtype, device)
+    run_grads(q, k, v, causal, None, window)
+
+
 def test_window_equal_to_causal_is_causal():
     # (-1, 0) is the causal mask, and a window wider than the sequence is no mask: bitwise the plain results.
     q, k, v = make_qkv(1, 2, 2, 70, 90, 32, torch.float32, "cpu")
@@ -136,11 +146,12 @@ def test_softcap_peaked_profile(device, dtype):
     assert (out.float() - plain.float()).abs().max() > 0.1, "the cap must change a peaked softmax"
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("softcap", [1.0, 30.0], ids=["cap1", "cap30"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
-def test_softcap_grads(device, dtype, causal, softcap):
-    q, k, v = make_qkv(2, 4, 2, 157, 200, 64, dtype, device)
+def test_softcap_grads(device, dtype, causal, softcap, head_dim):
+    q, k, v = make_qkv(2, 4, 2, 157, 200, head_dim, dtype, device)
     run_grads(q, k, v, causal, 2.0, (-1, -1), softcap)
 
 

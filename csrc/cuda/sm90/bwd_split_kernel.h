@@ -180,7 +180,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const auto load_stats = [&](int step) {
     stats.load(p, block.row_base(step, p), block.m_start(step) + thread, block.len_q(p), consumer == 1);
   };
-  if (thread < kBlockM) load_stats(0);
+  // A band or an idle slot can leave a key block without steps.
+  if (thread < kBlockM && (!(kOptions || kSequences) || num_steps > 0)) load_stats(0);
 
   // A step's dQ half leaves in two tiles of 64 columns through this warpgroup's one buffer: the first once computed,
   // the second (dq_late) under the next step's first GEMM, while the writer reads the first.
