@@ -16,12 +16,13 @@ to packed sequences and padded back); packed batches (``cu_seq_lens_q`` / ``cu_s
 ``DataCollatorWithFlattening``, or ``position_ids`` that restart at 0); ``sliding_window``, ``softcap``, ``s_aux``
 (sinks), GQA, ``scaling`` and ``is_causal``. Dropout > 0 in training raises. transformers is imported lazily.
 
-Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims up to 128
-in this version; where a backward needs more, the batch goes through one dense call per sequence instead, which reads
-the sequence lengths on the host (one synchronisation per layer).
+Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims above 128
+only on Hopper and without deterministic algorithms; where a backward needs more, the batch goes through one dense call
+per sequence instead, which reads the sequence lengths on the host (one synchronisation per layer).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -62,11 +63,20 @@ def _cu_seqlens(lengths: Tensor) -> Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+def _packed_backward_takes(q: Tensor) -> bool:
+    """Whether the CUDA packed backward takes q's head dim: up to 128 everywhere, above on Hopper's kernel only (not
+    switched off by FLASHATTN_BWD_SM90=0, and without deterministic algorithms)."""
+    if q.shape[-1] <= 128:
+        return True
+    return (torch.cuda.get_device_capability(q.device) == (9, 0) and os.environ.get("FLASHATTN_BWD_SM90") != "0"
+            and not torch.are_deterministic_algorithms_enabled())
+
+
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:
     """flash_attn_varlen on (total, H, D) tensors, or one dense call per sequence (lengths read on the host) where a
-    CUDA backward would need what the packed one lacks (D > 128)."""
+    CUDA backward would need what the packed one lacks."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.device.type != "cuda" or not (needs_grad and q.shape[-1] > 128):
+    if q.device.type != "cuda" or not needs_grad or _packed_backward_takes(q):
         return flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
     out = torch.empty_like(q)
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()

@@ -1,6 +1,8 @@
 """The Hugging Face integration (flashattn_ext.integrations.transformers) with tiny random models: logits on real
 tokens of padded batches match the model's own eager path, a packed batch matches the padded one, greedy generation
 gives the same tokens. Skipped without transformers."""
+import os
+
 import pytest
 import torch
 
@@ -133,7 +135,7 @@ def test_training_step_gradients_match_eager():
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_padded_logits_cuda_bf16(name):
-    # bf16 on CUDA (padded batches run one dense call per sequence): within bf16's reach of the eager path in bf16.
+    # bf16 on CUDA (padded batches run as packed sequences): within bf16's reach of the eager path in bf16.
     model = model_pair(name, "cuda", torch.bfloat16)
     ids, mask = padded_batch("cuda")
     with torch.no_grad():
@@ -142,3 +144,38 @@ def test_padded_logits_cuda_bf16(name):
         got = model(ids, attention_mask=mask).logits.float()
     real = mask.bool()
     assert (got[real] - ref[real]).abs().max() < 0.1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_packed_gradients_above_d128_cuda(monkeypatch, deterministic):
+    # Above D128 a batch that needs gradients runs packed where the packed backward takes it (Hopper, not
+    # deterministic), else one dense call per sequence; both give the per-sequence gradients.
+    hopper_kernel = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_BWD_SM90") != "0"
+    if not deterministic and not hopper_kernel:
+        pytest.skip("the packed backward above D128 runs on Hopper's kernel")
+    calls = []
+    for name in ("flash_attn", "flash_attn_varlen"):
+        real = getattr(fa_hf, name)
+        monkeypatch.setattr(fa_hf, name, lambda *a, _f=real, _name=name, **kw: calls.append(_name) or _f(*a, **kw))
+    torch.manual_seed(4)
+    lengths = [5, 130, 1, 64]
+    q, k, v = (torch.randn(sum(lengths), heads, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (4, 2, 2))
+    cu = fa_hf._cu_seqlens(torch.tensor(lengths, device="cuda"))
+    dout = torch.randn_like(q)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        grads = torch.autograd.grad(fa_hf._packed_call(q, k, v, cu, cu, None, None, causal=True), (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert set(calls) == {"flash_attn" if deterministic else "flash_attn_varlen"}
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        start += n
+        seq = [t.detach()[rows].transpose(0, 1)[None].float().requires_grad_() for t in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*seq, is_causal=True, enable_gqa=True)
+        ref_grads = torch.autograd.grad(ref, seq, dout[rows].transpose(0, 1)[None].float())
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got[rows].float(), want[0].transpose(0, 1), atol=3e-2, rtol=3e-2)
