@@ -2,13 +2,14 @@
 Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward kernel.
 
 Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256] [--deterministic]
-[--options] [--varlen]
+[--options] [--varlen] [--kvcache]
 
 --head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
 for a change to one of them: racecheck over every case takes about 150 s of device time on the H200. --options runs
 each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn. --varlen runs
 packed sequences instead (VARLEN_CASES, each plain and with every option set), and cu_seqlens whose values break
-the rules (they must give wrong rows, never an access outside the tensors).
+the rules (they must give wrong rows, never an access outside the tensors). --kvcache runs the decode path
+(KVCACHE_CASES) over dense and paged caches, with new keys appended, and a block table with pages out of range.
 """
 import argparse
 import os
@@ -99,6 +100,48 @@ def run_varlen():
     return calls
 
 
+# Decode calls for --kvcache: (batch, heads, heads_kv, len_q, new keys, cache rows, head dim, page size), cache lengths
+# from 0 to full; a page size of 0 runs the dense cache.
+KVCACHE_CASES = [
+    (3, 8, 2, 1, 0, 300, 128, 0),
+    (3, 8, 2, 1, 1, 300, 128, 16),
+    (2, 32, 8, 4, 0, 1030, 128, 64),  # two row groups of 16 packed rows, several splits
+    (2, 4, 4, 1, 2, 200, 64, 7),  # pages that cut a key block anywhere
+    (2, 6, 2, 3, 0, 500, 256, 256),
+    (1, 4, 1, 1, 0, 4100, 128, 1),  # one row a page, 64 splits
+]
+
+
+def run_kvcache():
+    calls = 0
+    for batch, heads, heads_kv, len_q, new, rows, head_dim, page in KVCACHE_CASES:
+        for mods in [{"causal": True}] + OPTION_SETS:
+            mods = dict(mods)
+            if mods.get("sinks") is not None:
+                mods["sinks"] = torch.linspace(-1, 1, heads, device="cuda")
+            opts = dict(device="cuda", dtype=torch.bfloat16)
+            q = torch.randn(batch, heads, len_q, head_dim, **opts)
+            k_new, v_new = (torch.randn(batch, heads_kv, new, head_dim, **opts) if new else None for _ in range(2))
+            lengths = torch.linspace(0, rows - new, batch).to(device="cuda", dtype=torch.int32)
+            if page == 0:
+                k_cache, v_cache = (torch.randn(batch, heads_kv, rows, head_dim, **opts) for _ in range(2))
+                table = None
+            else:
+                per_entry = -(-rows // page)
+                k_cache, v_cache = (torch.randn(batch * per_entry, heads_kv, page, head_dim, **opts) for _ in range(2))
+                table = torch.randperm(batch * per_entry, device="cuda", dtype=torch.int32).view(batch, per_entry)
+            flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
+                                                 block_table=table, **mods)
+            calls += 1
+            if table is not None:  # pages out of range: wrong rows, never an access outside the cache
+                bad = table.clone()
+                bad[:, ::2] = 10**6
+                bad[:, 1::2] = -3
+                flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=bad)
+                calls += 1
+    return calls
+
+
 def bucket(head_dim):
     """The head dim of the Hopper kernels that run head_dim (kernel_table.h, sm90_kernel_head_dim: the smallest of 64,
     128 and 256 that holds it)."""
@@ -118,6 +161,7 @@ def main():
     parser.add_argument("--deterministic", action="store_true",
                         help="under torch.use_deterministic_algorithms(True): the Hopper backward's ordered dQ")
     parser.add_argument("--varlen", action="store_true", help="packed sequences, and cu_seqlens that break the rules")
+    parser.add_argument("--kvcache", action="store_true", help="the decode path over dense and paged caches")
     args = parser.parse_args()
     if args.deterministic:  # the chunked backward (D256) then runs cuBLAS, which needs a fixed workspace for it
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -126,6 +170,11 @@ def main():
         calls = run_varlen()
         torch.cuda.synchronize()
         print(f"sanitize: {calls} packed forward/backward calls done")
+        return
+    if args.kvcache:
+        calls = run_kvcache()
+        torch.cuda.synchronize()
+        print(f"sanitize: {calls} decode calls done")
         return
     head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
     if head_dims is not None and not head_dims <= {64, 128, 256}:
