@@ -759,6 +759,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     p.block_table = pages.data_ptr<int>();
     p.block_table_stride = pages.size(1);
     p.page_size = static_cast<int>(ks.page_size);
+    p.page_of = DivMod::of(p.page_size);
     p.num_pages = static_cast<int>(ks.num_pages);
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

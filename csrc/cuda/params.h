@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "cuda/divmod.h"
+
 namespace flashattn {
 
 // How a forward call runs, decided once on the host (cuda/fwd_plan.h) before anything is allocated or launched.
@@ -84,6 +86,7 @@ struct FwdParams {
   const int* __restrict__ block_table;
   int64_t block_table_stride;
   int page_size, num_pages;
+  DivMod page_of;  // row -> page: page_size as a multiply and a shift
   // kDecode with plan.splits > 1: each split's normalised rows (splits, B, H, Lq, the kernel's head dim) and their lse
   // (splits, B, H, Lq), merged by the combine pass (decode.h).
   float* split_out;

@@ -109,26 +109,22 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
                           kv_head * p.k_head_stride;
   const T* const v_base = static_cast<const T*>(p.v) + (kPaged ? 0 : batch * p.v_batch_stride) +
                           kv_head * p.v_head_stride;
-  // Paged: this thread copies one 16-byte column chunk of kKvSteps rows of each block; their pages and rows in the
-  // page are read from the block table a block ahead of the copies (clamped into the cache: a bad table gives wrong
-  // rows, never an access outside it), so that no copy waits for the table.
+  // Paged: this thread copies one 16-byte column chunk of kKvSteps rows of each block; their pages are read from the
+  // block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows, never an access
+  // outside it), so that no copy waits for the table.
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;
   constexpr int kKvSteps = kBlockN / kRowsPerStep;
   static_assert(kRowsPerStep * kChunksPerRow == Traits::kNThreads && kBlockN % kRowsPerStep == 0, "whole rows");
   const int kv_row = threadIdx.x / kChunksPerRow, kv_col = (threadIdx.x % kChunksPerRow) * 8;
   const int* const table = kPaged ? p.block_table + static_cast<int64_t>(batch) * p.block_table_stride : nullptr;
-  const DivMod page_of(kPaged ? p.page_size : 1);
-  int pages[kPaged ? kKvSteps : 1];      // the next block's pages, -1 past n_hi
-  int page_rows[kPaged ? kKvSteps : 1];  // and rows in them
+  int pages[kPaged ? kKvSteps : 1];  // the next block's pages, -1 past n_hi
   const auto look_up = [&](int block) {
     const int first = n_lo + block * kBlockN + kv_row;
 #pragma unroll
     for (int step = 0; step < kKvSteps; ++step) {
       const int r = first + step * kRowsPerStep;
-      const int page = page_of.div(r);
-      pages[step] = r < n_hi ? min(max(__ldg(table + page), 0), p.num_pages - 1) : -1;
-      page_rows[step] = r - page * p.page_size;
+      pages[step] = r < n_hi ? min(max(__ldg(table + p.page_of.div(r)), 0), p.num_pages - 1) : -1;
     }
   };
   const auto load_kv = [&](int stage, int block) {
@@ -138,8 +134,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     if constexpr (kPaged) {
 #pragma unroll
       for (int step = 0; step < kKvSteps; ++step) {
+        const int r = start + kv_row + step * kRowsPerStep;
         const bool valid = pages[step] >= 0 && kv_col < p.head_dim;
-        const int64_t row_in_page = page_rows[step];
+        const int64_t row_in_page = r - p.page_of.div(r) * p.page_size;
         const int64_t k_offset = pages[step] * p.k_batch_stride + row_in_page * p.k_row_stride + kv_col;
         const int64_t v_offset = pages[step] * p.v_batch_stride + row_in_page * p.v_row_stride + kv_col;
         const int dst = (kv_row + step * kRowsPerStep) * kStride + kv_col;

@@ -2,8 +2,6 @@
 // kSmemStride (the padded row length of shared tiles, in elements).
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <cstdint>
 
 #include "cuda/sm80/ptx.h"
@@ -35,22 +33,6 @@ __device__ __forceinline__ void load_tile_async(T* smem, const T* gmem, int64_t 
     }
   }
 }
-
-// n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (Granlund and Montgomery), with d > 0 fixed
-// per CTA: a row's page in a few instructions where a division costs about twenty.
-struct DivMod {
-  int divisor;
-  uint32_t multiplier;
-  int shift;  // ceil(log2(divisor))
-  __device__ explicit DivMod(int d) {
-    divisor = d;
-    shift = 32 - __clz(d - 1);
-    multiplier = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d) / d + 1);
-  }
-  __device__ __forceinline__ int div(int n) const {
-    return static_cast<int>((__umulhi(static_cast<uint32_t>(n), multiplier) + static_cast<uint32_t>(n)) >> shift);
-  }
-};
 
 // Where the rows of one batch entry of a paged cache lie: row r in page pages[r / page_size] (clamped into the
 // num_pages of the cache, so a bad block table gives wrong rows, never an access outside it), at row r % page_size.
