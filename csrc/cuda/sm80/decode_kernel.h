@@ -167,7 +167,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   for (int dt = 0; dt < kDTiles; ++dt) acc_o[dt][0] = acc_o[dt][1] = acc_o[dt][2] = acc_o[dt][3] = 0.f;
   float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
   float row_sum[2] = {0.f, 0.f};  // this thread's columns; reduced over the quad at the end
-  uint32_t q_frag[kHeadDim / 16][4];
+  // Q's fragments stay in registers up to D128; above, each is read from shared memory beside K's (registers).
+  constexpr bool kQInRegisters = kHeadDim <= 128;
+  uint32_t q_frag[kQInRegisters ? kHeadDim / 16 : 1][4];
+  const int q_frag_offset = (lane % 16) * kStride + (lane / 16) * 8;
 
   const bool softcap = p.options && p.softcap > 0.f;
   const float cap_scale = softcap ? p.scale / p.softcap : 0.f;
@@ -188,11 +191,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     const int stage = i % kStages;
     cp_async_wait<kStages - 2>();  // this block's group has landed (this thread's copies)...
     __syncthreads();               // ...and everyone's; the stage of block - 1 is free again
-    if (i == 0) {
+    if (kQInRegisters && i == 0) {
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        ldmatrix_x4(q_frag[kk], sQ + (lane % 16) * kStride + (lane / 16) * 8 + kk * 16);
-      }
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) ldmatrix_x4(q_frag[kk], sQ + q_frag_offset + kk * 16);
     }
     if (block + kStages - 1 < b_end) {
       load_kv((i + kStages - 1) % kStages, block + kStages - 1);
@@ -209,8 +210,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t b[4];
       ldmatrix_x4(b, k_tile + k_frag_offset + kk * 16);
-      mma_16816<T>(s[0], q_frag[kk], b[0], b[1]);
-      mma_16816<T>(s[1], q_frag[kk], b[2], b[3]);
+      if constexpr (!kQInRegisters) ldmatrix_x4(q_frag[0], sQ + q_frag_offset + kk * 16);
+      const uint32_t(&q_kk)[4] = q_frag[kQInRegisters ? kk : 0];
+      mma_16816<T>(s[0], q_kk, b[0], b[1]);
+      mma_16816<T>(s[1], q_kk, b[2], b[3]);
     }
     // Scores in log2 units, -inf where the row may not see the key.
     const int key0 = n_lo + block * kBlockN + warp * 16 + 2 * (lane % 4);
