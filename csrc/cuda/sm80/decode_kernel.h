@@ -109,14 +109,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
                           kv_head * p.k_head_stride;
   const T* const v_base = static_cast<const T*>(p.v) + (kPaged ? 0 : batch * p.v_batch_stride) +
                           kv_head * p.v_head_stride;
-  // Paged: this thread copies one 16-byte column chunk of kKvSteps rows of each block; their pages are read from the
-  // block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows, never an access
-  // outside it), so that no copy waits for the table.
+  // This thread copies one 16-byte column chunk of kKvSteps rows of each block, kRowsPerStep apart. Paged: their pages
+  // are read from the block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows,
+  // never an access outside it), so that no copy waits for the table.
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;
   constexpr int kKvSteps = kBlockN / kRowsPerStep;
   static_assert(kRowsPerStep * kChunksPerRow == Traits::kNThreads && kBlockN % kRowsPerStep == 0, "whole rows");
   const int kv_row = threadIdx.x / kChunksPerRow, kv_col = (threadIdx.x % kChunksPerRow) * 8;
+  const int64_t k_step = kRowsPerStep * p.k_row_stride, v_step = kRowsPerStep * p.v_row_stride;
   const int* const table = kPaged ? p.block_table + static_cast<int64_t>(batch) * p.block_table_stride : nullptr;
   int pages[kPaged ? kKvSteps : 1];  // the next block's pages, -1 past n_hi
   const auto look_up = [&](int block) {
@@ -144,8 +145,19 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
         cp_async_16(v_stage + dst, valid ? v_base + v_offset : v_base, valid);
       }
     } else {
-      load_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_row_stride, start, n_hi, p.head_dim);
-      load_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_row_stride, start, n_hi, p.head_dim);
+      // Dense: the same rows, their addresses by pointer steps.
+      const int first = start + kv_row;
+      const T* k_src = k_base + first * p.k_row_stride + kv_col;
+      const T* v_src = v_base + first * p.v_row_stride + kv_col;
+#pragma unroll
+      for (int step = 0; step < kKvSteps; ++step) {
+        const bool valid = kv_col < p.head_dim && first + step * kRowsPerStep < n_hi;
+        const int dst = (kv_row + step * kRowsPerStep) * kStride + kv_col;
+        cp_async_16(k_stage + dst, valid ? k_src : k_base, valid);
+        cp_async_16(v_stage + dst, valid ? v_src : v_base, valid);
+        k_src += k_step;
+        v_src += v_step;
+      }
     }
   };
 #pragma unroll
@@ -183,6 +195,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     row_last[h] = right < 0 ? n_hi - 1 : min(n_hi - 1, query + shift + right);
     row_first[h] = left < 0 ? 0 : query + shift - left;
   }
+  // Keys every row of the CTA sees: blocks inside [all_first, all_last] skip the mask.
+  const int all_first = left < 0 ? 0 : p.len_q - 1 + shift - left;
+  const int all_last = right < 0 ? n_hi - 1 : min(n_hi - 1, shift + right);
   const int k_frag_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
   const int v_frag_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
 
@@ -215,20 +230,24 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
       mma_16816<T>(s[0], q_kk, b[0], b[1]);
       mma_16816<T>(s[1], q_kk, b[2], b[3]);
     }
-    // Scores in log2 units, -inf where the row may not see the key.
-    const int key0 = n_lo + block * kBlockN + warp * 16 + 2 * (lane % 4);
+    // Scores in log2 units, -inf where the row may not see the key (only blocks at the band's edges have such keys).
+    const int block_first = n_lo + block * kBlockN;
+    const bool edge = block_first < all_first || block_first + kBlockN - 1 > all_last;
+    const int key0 = block_first + warp * 16 + 2 * (lane % 4);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key0 + 8 * nt + e % 2, h = e / 2;
         float x = softcap ? fast_tanh(s[nt][e] * cap_scale) * score_log2 : s[nt][e] * score_log2;
-        if (key > row_last[h] || key < row_first[h]) x = -CUDART_INF_F;
+        if (edge && (key > row_last[h] || key < row_first[h])) x = -CUDART_INF_F;
         s[nt][e] = x;
       }
     }
     // Online softmax; P packed as the A operand of P V (16 rows x this warp's 16 keys).
     uint32_t a[4];
+    float rescale[2];
+    bool moved = false;  // some row's maximum moved: O needs its rescale (else the factors are exactly 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float block_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
@@ -236,17 +255,22 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
       block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
       const float base = block_max == -CUDART_INF_F ? 0.f : block_max;  // no key yet: exponentials stay 0
-      const float rescale = fast_exp2(row_max[h] - base);
+      rescale[h] = fast_exp2(row_max[h] - base);
+      moved |= block_max != row_max[h];
       row_max[h] = block_max;
       const float p00 = fast_exp2(s[0][2 * h] - base), p01 = fast_exp2(s[0][2 * h + 1] - base);
       const float p10 = fast_exp2(s[1][2 * h] - base), p11 = fast_exp2(s[1][2 * h + 1] - base);
-      row_sum[h] = row_sum[h] * rescale + (p00 + p01) + (p10 + p11);
+      row_sum[h] = row_sum[h] * rescale[h] + (p00 + p01) + (p10 + p11);
       a[h] = pack2<T>(p00, p01);
       a[2 + h] = pack2<T>(p10, p11);
+    }
+    if (__any_sync(0xffffffff, moved)) {
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
-        acc_o[dt][2 * h] *= rescale;
-        acc_o[dt][2 * h + 1] *= rescale;
+        acc_o[dt][0] *= rescale[0];
+        acc_o[dt][1] *= rescale[0];
+        acc_o[dt][2] *= rescale[1];
+        acc_o[dt][3] *= rescale[1];
       }
     }
     // O += P V for the same 16 keys.
