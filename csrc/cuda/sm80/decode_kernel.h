@@ -19,7 +19,6 @@
 #include "cuda/params.h"
 #include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"
-#include "cuda/sm80/tile_io.h"
 
 namespace flashattn::sm80 {
 
