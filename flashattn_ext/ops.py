@@ -124,10 +124,10 @@ def flash_attn_varlen(
 
     Every rule of :func:`flash_attn` holds per sequence, and a sequence's result is the same bits whatever else is
     packed with it. Any strides with ``stride(-1) == 1``. Differentiable in q, k, v and sinks (on CUDA the backward
-    takes head dims up to 128, above that on Hopper only and not deterministic; with deterministic algorithms its gradients are bitwise reproducible and the same
-    whatever else is packed). On CUDA the lengths are read on the device only (no host synchronisation; CUDA graphs
-    replay with new lengths), so cu_seqlens values are not checked there: ones that break the rules give wrong rows,
-    never an access outside the tensors.
+    takes head dims up to 128, above that on Hopper only; with deterministic algorithms its gradients are bitwise
+    reproducible and the same whatever else is packed). On CUDA the lengths are read on the device only (no host
+    synchronisation; CUDA graphs replay with new lengths), so cu_seqlens values are not checked there: ones that break
+    the rules give wrong rows, never an access outside the tensors.
 
     Returns:
         out: (total_q, H, D), the dtype of ``q``.

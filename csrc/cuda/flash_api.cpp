@@ -606,14 +606,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
   const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
   const int bucket = built_bucket(vs.head_dim, op);
-  // Above the portable kernel's buckets only the Hopper kernel takes packed sequences (its dQ additions in any order).
+  // Above the portable kernel's buckets only the Hopper kernel takes packed sequences; deterministic up to them the
+  // portable kernel (its ordered dQ), above the Hopper kernel's ordered dQ.
   const Switches& sw = switches();
   const bool large = bucket > kMaxFusedBwdSm80Bucket;
   const bool wants_sm90 =
-      sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) && !deterministic;
+      sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) && (!deterministic || large);
   TORCH_CHECK(!large || wants_sm90, op, ": on CUDA the packed backward takes head dims above ",
-              kMaxFusedBwdSm80Bucket, " only on Hopper (FLASHATTN_BWD_SM90 not 0) and without deterministic algorithms; "
-              "got head dim ", vs.head_dim);
+              kMaxFusedBwdSm80Bucket, " only on Hopper (FLASHATTN_BWD_SM90 not 0); got head dim ", vs.head_dim);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).
@@ -639,18 +639,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   at::Tensor delta = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = at::empty({vs.heads, vs.total_q, vs.head_dim}, q.options().dtype(at::kFloat));
-  // Deterministic: dQ added in key-block order, a semaphore per query block of each head (packed.h's slots), then a
-  // flag the kernel reads: cu_seqlens that break their rules (computed on the device, no synchronisation).
-  const int64_t num_semaphores = vs.heads * (vs.total_q / sm80::kBwdBlockM + vs.batch);
-  at::Tensor dq_semaphore;
-  if (deterministic) {
-    dq_semaphore = at::zeros({num_semaphores + 1}, q.options().dtype(at::kInt));
-    const auto broken = [](const at::Tensor& cu, int64_t total) {
-      return cu.select(0, 0).ne(0).logical_or(cu.select(0, -1).ne(total)).logical_or(at::diff(cu).lt(0).any());
-    };
-    dq_semaphore.narrow(0, num_semaphores, 1)
-        .copy_(broken(cu_q, vs.total_q).logical_or(broken(cu_k, vs.total_k)).to(at::kInt).view({1}));
-  }
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
@@ -671,14 +659,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.lse = lse_rows.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
-  p.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  // The Hopper sequences kernel (its dQ additions in any order) where TMA can describe the packed tensors as one batch
-  // entry of all rows, with room for each sequence's maps; else the portable one.
+  // The Hopper sequences kernel where TMA can describe the packed tensors as one batch entry of all rows, with room
+  // for each sequence's maps; else the portable one.
   BwdParams all_rows = p;
   all_rows.batch = 1;
   const bool sm90 = wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device());
+  // Deterministic: dQ added in key-block order, semaphores per query block of each head (packed.h's slots; Hopper:
+  // dq_tiles per block), then a flag the kernels read: cu_seqlens that break their rules (computed on the device,
+  // no synchronisation).
+  at::Tensor dq_semaphore;
+  if (deterministic) {
+    const sm90::BwdTileShape tile = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
+    const int64_t block_m = sm90 ? tile.block_m : sm80::kBwdBlockM;
+    const int64_t num_semaphores = vs.heads * (vs.total_q / block_m + vs.batch) * (sm90 ? tile.dq_tiles : 1);
+    dq_semaphore = at::zeros({num_semaphores + 1}, q.options().dtype(at::kInt));
+    const auto broken = [](const at::Tensor& cu, int64_t total) {
+      return cu.select(0, 0).ne(0).logical_or(cu.select(0, -1).ne(total)).logical_or(at::diff(cu).lt(0).any());
+    };
+    dq_semaphore.narrow(0, num_semaphores, 1)
+        .copy_(broken(cu_q, vs.total_q).logical_or(broken(cu_k, vs.total_k)).to(at::kInt).view({1}));
+    p.dq_semaphore = dq_semaphore.data_ptr<int>();
+  }
   TORCH_CHECK((sw.bwd_sm90 != Sm90Use::kStrict && !large) || !wants_sm90 || sm90, op, ": the Hopper kernel cannot "
               "take these inputs (TMA cannot describe the strides of q, k, v or dout), and FLASHATTN_BWD_SM90=strict "
               "or the head dim (above ", kMaxFusedBwdSm80Bucket, ") leaves no other");

@@ -17,8 +17,8 @@ to packed sequences and padded back); packed batches (``cu_seq_lens_q`` / ``cu_s
 (sinks), GQA, ``scaling`` and ``is_causal``. Dropout > 0 in training raises. transformers is imported lazily.
 
 Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims above 128
-only on Hopper and without deterministic algorithms; where a backward needs more, the batch goes through one dense call
-per sequence instead, which reads the sequence lengths on the host (one synchronisation per layer).
+only on Hopper; elsewhere a batch that needs their gradients goes through one dense call per sequence instead, which
+reads the sequence lengths on the host (one synchronisation per layer).
 """
 from __future__ import annotations
 
@@ -65,11 +65,10 @@ def _cu_seqlens(lengths: Tensor) -> Tensor:
 
 def _packed_backward_takes(q: Tensor) -> bool:
     """Whether the CUDA packed backward takes q's head dim: up to 128 everywhere, above on Hopper's kernel only (not
-    switched off by FLASHATTN_BWD_SM90=0, and without deterministic algorithms)."""
+    switched off by FLASHATTN_BWD_SM90=0)."""
     if q.shape[-1] <= 128:
         return True
-    return (torch.cuda.get_device_capability(q.device) == (9, 0) and os.environ.get("FLASHATTN_BWD_SM90") != "0"
-            and not torch.are_deterministic_algorithms_enabled())
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and os.environ.get("FLASHATTN_BWD_SM90") != "0"
 
 
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:

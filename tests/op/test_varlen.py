@@ -455,11 +455,19 @@ def test_cuda_bad_cu_seqlens_never_fault():
         assert out.shape == q.shape and grads[0].shape == q.shape
 
 
+def ordered_head_dims():
+    """Head dims of the ordered packed backward's kernels: the portable one (64), Hopper's (192, in its D256 kernel)."""
+    return [64, pytest.param(192, marks=pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+        reason="the packed backward above D128 runs on Hopper"))]
+
+
 @pytest.mark.cuda
-def test_cuda_bad_cu_seqlens_never_hang_the_ordered_backward(deterministic_algorithms):
+@pytest.mark.parametrize("head_dim", ordered_head_dims())
+def test_cuda_bad_cu_seqlens_never_hang_the_ordered_backward(head_dim, deterministic_algorithms):
     # The ordered dQ waits for each key block's turn; cu_seqlens that break the rules could leave a turn unreached,
     # so such calls add dQ unordered (the host flags them on the device) instead of waiting forever.
-    q, k, v, _, _ = packed_inputs([(128, 400)], 2, 2, 64, torch.bfloat16, "cuda")
+    q, k, v, _, _ = packed_inputs([(128, 400)], 2, 2, head_dim, torch.bfloat16, "cuda")
     for bad_k in ([64, 128], [0, 300, 100, 400], [0, 300, 100]):  # not from 0, decreasing, not ending at 400
         cu_k = torch.tensor(bad_k, dtype=torch.int32, device="cuda")
         cu_q = torch.linspace(0, 128, len(bad_k)).to(torch.int32).cuda()
@@ -485,14 +493,14 @@ def test_no_keys_anywhere_sink_gradient(device, dtype):
 
 @pytest.mark.cuda
 def test_cuda_backward_refuses_what_it_lacks():
-    # Above D128 only the Hopper kernel takes packed sequences, not with deterministic algorithms.
+    # Above D128 only the Hopper kernel takes packed sequences.
+    if torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("Hopper takes every packed backward")
     q, k, v, cu_q, cu_k = packed_inputs(SHORT, 2, 2, 192, torch.bfloat16, "cuda")
     out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
-    if torch.cuda.get_device_capability() != (9, 0):
+    for deterministic in (False, True):
         with pytest.raises(RuntimeError, match="head dims above 128 only on Hopper"):
-            bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k)
-    with pytest.raises(RuntimeError, match="head dims above 128 only on Hopper"):
-        bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, deterministic=True)
+            bwd_varlen(torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, deterministic=deterministic)
 
 
 def packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs):
@@ -502,17 +510,19 @@ def packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", ordered_head_dims())
 @pytest.mark.parametrize("mods", ["plain", "causal", "window"])
-def test_cuda_deterministic_backward(mods, deterministic_algorithms):
+def test_cuda_deterministic_backward(mods, head_dim, deterministic_algorithms):
     # dQ added in key-block order: every run the same bits, a sequence's gradients the same bits whatever else is
     # packed with it, and the values those of the default (unordered) backward.
     kwargs = mods_for(mods, 4, "cuda")
-    q, k, v, cu_q, cu_k = packed_inputs([(700, 900)], 4, 2, 64, torch.bfloat16, "cuda")
+    q, k, v, cu_q, cu_k = packed_inputs([(700, 900)], 4, 2, head_dim, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
     alone = [packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs) for _ in range(3)]
     for run in alone[1:]:
         assert all(torch.equal(a, b) for a, b in zip(alone[0], run))
-    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(130, 70), (700, 900), (5, 300)], 4, 2, 64, torch.bfloat16, "cuda")
+    q2, k2, v2, cu_q2, cu_k2 = packed_inputs([(130, 70), (700, 900), (5, 300)], 4, 2, head_dim, torch.bfloat16,
+                                             "cuda")
     q2[130:830], k2[70:970], v2[70:970] = q, k, v
     dout2 = torch.randn_like(q2)
     dout2[130:830] = dout

@@ -37,14 +37,18 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first; with an ordered
 // dQ (p.dq_semaphore) the causal order turns round (the shortest first), matching the order of the dQ additions.
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
-// query blocks on both sides; never with an ordered dQ. kSequences (never ordered): packed sequences,
-// CTA = a slot of packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA
-// goes through the sequence's own maps (sequences.h) at batch coordinate 0.
+// query blocks on both sides; never with an ordered dQ but packed. kSequences: packed sequences, CTA = a slot of
+// packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA goes through the
+// sequence's own maps (sequences.h) at batch coordinate 0. Ordered, a sequence's key blocks add in ascending order
+// (their launch order) into semaphores over packed.h's query slots, unless the host flagged cu_seqlens that break
+// their rules (the int after the semaphores), where a turn could go unreached: dQ then adds in any order.
 template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>
 struct KeyBlock {
   static constexpr bool kPacked = kSequences;
   int n_block, n_start, kv_head, batch, m_begin, m_end, num_m_blocks;
   int q_offset = 0, k_offset = 0, seq_len_q = 0, seq_len_k = 0;  // packed sequences: first rows and lengths
+  int q_slot0 = 0;  // packed, ordered: the sequence's first query block in packed.h's slots
+  bool ordered;     // dQ added in a fixed order (p.dq_semaphore)
 
   __device__ KeyBlock(const BwdParams& p) {
     if constexpr (kSequences) {
@@ -55,7 +59,10 @@ struct KeyBlock {
       batch = b.batch;
       n_block = b.block;
       k_offset = b.row, seq_len_k = b.len, q_offset = b.other_row, seq_len_q = b.other_len;
+      q_slot0 = q_offset / Traits::kBlockM + b.batch;
+      ordered = p.dq_semaphore != nullptr && __ldg(p.dq_semaphore + num_packed_semaphores(p)) == 0;
     } else {
+      ordered = p.dq_semaphore != nullptr;
       const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
       n_block = static_cast<int>(blockIdx.x % num_n_blocks);
       if (kCausal && p.dq_semaphore != nullptr) n_block = num_n_blocks - 1 - n_block;
@@ -105,10 +112,20 @@ struct KeyBlock {
     return (static_cast<int64_t>(batch) * p.heads + head(step, p)) * p.len_q;
   }
 
+  // Packed, ordered: the semaphores (H, packed_slots(total_q, B, kBlockM), kDqTiles), then the host's flag.
+  __device__ static int64_t num_packed_semaphores(const BwdParams& p) {
+    return static_cast<int64_t>(p.heads) * packed_slots(p.len_q, p.batch, Traits::kBlockM) * Traits::kDqTiles;
+  }
+
   // Ordered dQ: how many key blocks add into query block m before this one. Without a mask every key block adds, in
   // ascending order (the CTAs' launch order); under a causal mask the blocks that see m do, highest first: key block
-  // n sees m iff n * kBlockN - (Lk - Lq) < (m + 1) * kBlockM (the m_begin rule above).
+  // n sees m iff n * kBlockN - (Lk - Lq) < (m + 1) * kBlockM (the m_begin rule above). Packed: the blocks that see m
+  // are consecutive from the first whose last key reaches m's first query's left edge (the m_end rule), ascending.
   __device__ int dq_turn(int m_block, const BwdParams& p) const {
+    if constexpr (kSequences) {
+      const int first_key = m_block * Traits::kBlockM + (seq_len_k - seq_len_q) - left(p);
+      return n_block - (left(p) < 0 || first_key <= 0 ? 0 : first_key / Traits::kBlockN);
+    }
     if (!kCausal) return n_block;
     const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q);
     const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -118,6 +135,11 @@ struct KeyBlock {
   // The semaphore of dQ tile `tile` (0 .. Traits::kDqTiles - 1) of the step's query block.
   __device__ int* dq_semaphore(int step, int tile, const BwdParams& p) const {
     const int64_t m_block = m_start(step) / Traits::kBlockM;
+    if constexpr (kSequences) {
+      const int64_t slot = static_cast<int64_t>(head(step, p)) * packed_slots(p.len_q, p.batch, Traits::kBlockM) +
+                           q_slot0 + m_block;
+      return p.dq_semaphore + slot * Traits::kDqTiles + tile;
+    }
     const int64_t head_block = (static_cast<int64_t>(batch) * p.heads + head(step, p)) * num_m_blocks + m_block;
     return p.dq_semaphore + head_block * Traits::kDqTiles + tile;
   }
@@ -226,7 +248,7 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
                                               const Block& block, int c, int lane) {
   const int num_steps = block.num_steps(p);
   if (num_steps == 0) return;
-  const bool ordered = p.dq_semaphore != nullptr;
+  const bool ordered = block.ordered;
   const float* const tile = smem.dq + c * Traits::kTileDQ;
   const CUtensorMap* const map = block.map(&dq_map, kBwdSeqMapDq, p);
   if (Block::kPacked && lane == 0) fence_tensormap_acquire(map);  // written on the device before the launch
