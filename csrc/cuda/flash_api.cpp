@@ -666,14 +666,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   BwdParams all_rows = p;
   all_rows.batch = 1;
   const bool sm90 = wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device());
+  TORCH_CHECK((sw.bwd_sm90 != Sm90Use::kStrict && !large) || !wants_sm90 || sm90, op, ": the Hopper kernel cannot "
+              "take these inputs (TMA cannot describe the strides of q, k, v or dout), and FLASHATTN_BWD_SM90=strict "
+              "or the head dim (above ", kMaxFusedBwdSm80Bucket, ") leaves no other");
   // Deterministic: dQ added in key-block order, semaphores per query block of each head (packed.h's slots; Hopper:
   // dq_tiles per block), then a flag the kernels read: cu_seqlens that break their rules (computed on the device,
   // no synchronisation).
   at::Tensor dq_semaphore;
   if (deterministic) {
-    const sm90::BwdTileShape tile = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
-    const int64_t block_m = sm90 ? tile.block_m : sm80::kBwdBlockM;
-    const int64_t num_semaphores = vs.heads * (vs.total_q / block_m + vs.batch) * (sm90 ? tile.dq_tiles : 1);
+    const sm90::BwdTileShape hopper = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
+    const int64_t block_m = sm90 ? hopper.block_m : sm80::kBwdBlockM, tiles = sm90 ? hopper.dq_tiles : 1;
+    const int64_t num_semaphores = vs.heads * (vs.total_q / block_m + vs.batch) * tiles;
     dq_semaphore = at::zeros({num_semaphores + 1}, q.options().dtype(at::kInt));
     const auto broken = [](const at::Tensor& cu, int64_t total) {
       return cu.select(0, 0).ne(0).logical_or(cu.select(0, -1).ne(total)).logical_or(at::diff(cu).lt(0).any());
@@ -682,9 +685,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
         .copy_(broken(cu_q, vs.total_q).logical_or(broken(cu_k, vs.total_k)).to(at::kInt).view({1}));
     p.dq_semaphore = dq_semaphore.data_ptr<int>();
   }
-  TORCH_CHECK((sw.bwd_sm90 != Sm90Use::kStrict && !large) || !wants_sm90 || sm90, op, ": the Hopper kernel cannot "
-              "take these inputs (TMA cannot describe the strides of q, k, v or dout), and FLASHATTN_BWD_SM90=strict "
-              "or the head dim (above ", kMaxFusedBwdSm80Bucket, ") leaves no other");
   at::Tensor seq_maps;
   if (sm90) {
     seq_maps = at::empty({vs.batch * sm90::kBwdSeqMaps * static_cast<int64_t>(sizeof(CUtensorMap))},
