@@ -14,12 +14,15 @@ do_bench median per round, the median of the rounds kept):
   dense       our dense op on B = tokens // mean length sequences of the mean length (the work without the packing)
 FLOPs are 4 * H * D * sum(Lq_b * Lk_b) per forward, halved for causal; fwdbwd counts 3.5x that. A CSV row per
 implementation goes to --out, and a bar chart of the TFLOP/s (PNG, with matplotlib; --no-plot skips it).
+--deterministic runs everything under torch.use_deterministic_algorithms(True) (the files' names end in
+_deterministic; an implementation without a deterministic backward shows '-').
 `bench_sdpa.py --varlen` runs this script with the arguments that follow.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import random
 import statistics
 import sys
@@ -127,7 +130,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under torch.use_deterministic_algorithms(True)")
     args = parser.parse_args(argv)
+    if args.deterministic:  # cuBLAS (the loop's chunked backward) needs a fixed workspace for determinism
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(args.deterministic)
 
     import_flashattn_ext()  # the installed package, else the in-place build
     import flashattn_ext as fa
@@ -156,7 +164,7 @@ def main(argv=None):
 
     title = (f"{len(lengths)} sequences, {total} tokens (lengths {min(lengths)}-{max(lengths)}, mean "
              f"{total / len(lengths):.0f}), H{args.heads}/{heads_kv} D{args.head_dim} {args.dtype} "
-             f"causal {args.causal}, {args.mode}")
+             f"causal {args.causal}, {args.mode}{', deterministic' if args.deterministic else ''}")
     print(title)
     rows = []
     for impl in impls:
@@ -171,7 +179,7 @@ def main(argv=None):
         ratio = statistics.median(times["varlen_attn"]) / statistics.median(times["ours"])
         print(f"  ours / varlen_attn: {ratio:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_varlen_{args.mode}.csv"
+    path = args.out / f"bench_varlen_{args.mode}{'_deterministic' if args.deterministic else ''}.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["impl", "ms", "tflops"])
         writer.writeheader()
