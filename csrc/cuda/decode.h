@@ -23,14 +23,15 @@ __host__ __device__ constexpr int decode_row_groups(int heads_per_kv, int len_q)
 }
 
 // The split over keys, from the shape and the SM count only (never the batch size nor the lengths in a cache), so
-// that a row's bits depend on nothing else in the batch and a captured graph stays valid: enough CTAs for one batch
-// entry to fill the GPU twice, each split at least kDecodeMinBlocksPerSplit blocks. `requested` > 0 overrides it.
+// that a row's bits depend on nothing else in the batch and a captured graph stays valid: as many CTAs for one batch
+// entry as fill the GPU twice (two per SM) without a partial third wave, each split at least kDecodeMinBlocksPerSplit
+// blocks. `requested` > 0 overrides it.
 inline int decode_splits(int heads_kv, int heads_per_kv, int len_q, int64_t len_k, int num_sms, int64_t requested) {
   const int64_t blocks = std::max<int64_t>(1, (len_k + kDecodeBlockN - 1) / kDecodeBlockN);
   const int64_t most = std::min<int64_t>(kDecodeMaxSplits, blocks);
   if (requested > 0) return static_cast<int>(std::min(requested, most));
   const int64_t ctas = static_cast<int64_t>(heads_kv) * decode_row_groups(heads_per_kv, len_q);
-  const int64_t want = (2 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
+  const int64_t want = 2 * static_cast<int64_t>(num_sms) / ctas;
   const int64_t cap = std::max<int64_t>(1, std::min(most, blocks / kDecodeMinBlocksPerSplit));
   return static_cast<int>(std::clamp<int64_t>(want, 1, cap));
 }

@@ -31,7 +31,12 @@ struct DecodeTraits {
   static constexpr int kBlockN = kDecodeBlockN;  // keys per stage: 16 per warp
   // Enough bytes in flight to cover the memory latency: 3-4 stages of 64 keys (two CTAs per SM up to D128).
   static constexpr int kStages = HeadDim <= 64 ? 4 : 3;
-  static constexpr int kSmemStride = HeadDim + 8;  // 16-byte row padding: conflict-free ldmatrix
+  // Tile rows are whole 128-byte lines, their 16-byte chunks swizzled (chunk c of row r at c ^ (r % 8)): ldmatrix is
+  // conflict-free, and each 128-byte line of global memory lands in one line of shared memory, so that its cp.async is
+  // one L2 request (with padded rows, lines straddled two and the L2 served 1.5x the bytes read).
+  static constexpr int kSmemStride = HeadDim;
+  // Element offset of 16-byte chunk `chunk` of row `row` in a tile.
+  __device__ static constexpr int offset(int row, int chunk) { return row * kSmemStride + (chunk ^ (row % 8)) * 8; }
   static constexpr int kSmemQ = kRows * kSmemStride;
   static constexpr int kSmemKV = kBlockN * kSmemStride;
   // The merge reuses the K/V ring: each warp's fp32 output rows (padded by 8 floats), then row maxima and sums.
@@ -45,7 +50,7 @@ struct DecodeTraits {
   static constexpr bool merge_fits() {
     return kMergeFloats * static_cast<int>(sizeof(float)) <= 2 * kStages * kSmemKV * static_cast<int>(sizeof(T));
   }
-  static_assert(HeadDim % 16 == 0 && HeadDim <= 256, "decode head dims are multiples of 16 up to 256");
+  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "decode head dims are 64, 128, 256 (rows of whole 128-byte lines)");
 };
 
 template <typename T, typename Traits, bool kPaged>
@@ -100,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
         src += batch * p.q_batch_stride + head_of(row0 + r) * p.q_head_stride +
                static_cast<int64_t>(query_of(row0 + r)) * p.q_row_stride + col;
       }
-      cp_async_16(sQ + r * kStride + col, src, valid);
+      cp_async_16(sQ + Traits::offset(r, col / 8), src, valid);
     }
   }
   // A paged cache's batch stride is its page stride: its rows are found through the block table.
@@ -139,7 +144,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
         const int64_t row_in_page = r - p.page_of.div(r) * p.page_size;
         const int64_t k_offset = pages[step] * p.k_batch_stride + row_in_page * p.k_row_stride + kv_col;
         const int64_t v_offset = pages[step] * p.v_batch_stride + row_in_page * p.v_row_stride + kv_col;
-        const int dst = (kv_row + step * kRowsPerStep) * kStride + kv_col;
+        const int dst = Traits::offset(kv_row + step * kRowsPerStep, kv_col / 8);
         cp_async_16(k_stage + dst, valid ? k_base + k_offset : k_base, valid);
         cp_async_16(v_stage + dst, valid ? v_base + v_offset : v_base, valid);
       }
@@ -151,7 +156,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
 #pragma unroll
       for (int step = 0; step < kKvSteps; ++step) {
         const bool valid = kv_col < p.head_dim && first + step * kRowsPerStep < n_hi;
-        const int dst = (kv_row + step * kRowsPerStep) * kStride + kv_col;
+        const int dst = Traits::offset(kv_row + step * kRowsPerStep, kv_col / 8);
         cp_async_16(k_stage + dst, valid ? k_src : k_base, valid);
         cp_async_16(v_stage + dst, valid ? v_src : v_base, valid);
         k_src += k_step;
@@ -181,7 +186,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   // Q's fragments stay in registers up to D128; above, each is read from shared memory beside K's (registers).
   constexpr bool kQInRegisters = kHeadDim <= 128;
   uint32_t q_frag[kQInRegisters ? kHeadDim / 16 : 1][4];
-  const int q_frag_offset = (lane % 16) * kStride + (lane / 16) * 8;
+  // Each lane's ldmatrix row and first 16-byte chunk in the Q, K and V tiles (chunk + 2 kk for the kk-th k16 step).
+  const int q_frag_row = lane % 16, q_frag_chunk = lane / 16;
 
   const bool softcap = p.options && p.softcap > 0.f;
   const float cap_scale = softcap ? p.scale / p.softcap : 0.f;
@@ -197,8 +203,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   // Keys every row of the CTA sees: blocks inside [all_first, all_last] skip the mask.
   const int all_first = left < 0 ? 0 : p.len_q - 1 + shift - left;
   const int all_last = right < 0 ? n_hi - 1 : min(n_hi - 1, shift + right);
-  const int k_frag_offset = ((lane / 16) * 8 + lane % 8) * kStride + ((lane / 8) % 2) * 8;
-  const int v_frag_offset = (((lane / 8) % 2) * 8 + lane % 8) * kStride + (lane / 16) * 8;
+  const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_chunk = (lane / 8) % 2;
+  const int v_frag_row = ((lane / 8) % 2) * 8 + lane % 8, v_frag_chunk = lane / 16;
 
   for (int block = b_begin; block < b_end; ++block) {
     const int i = block - b_begin;
@@ -207,7 +213,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     __syncthreads();               // ...and everyone's; the stage of block - 1 is free again
     if (kQInRegisters && i == 0) {
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) ldmatrix_x4(q_frag[kk], sQ + q_frag_offset + kk * 16);
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        ldmatrix_x4(q_frag[kk], sQ + Traits::offset(q_frag_row, q_frag_chunk + 2 * kk));
+      }
     }
     if (block + kStages - 1 < b_end) {
       load_kv((i + kStages - 1) % kStages, block + kStages - 1);
@@ -223,8 +231,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       uint32_t b[4];
-      ldmatrix_x4(b, k_tile + k_frag_offset + kk * 16);
-      if constexpr (!kQInRegisters) ldmatrix_x4(q_frag[0], sQ + q_frag_offset + kk * 16);
+      ldmatrix_x4(b, k_tile + Traits::offset(k_frag_row, k_frag_chunk + 2 * kk));
+      if constexpr (!kQInRegisters) ldmatrix_x4(q_frag[0], sQ + Traits::offset(q_frag_row, q_frag_chunk + 2 * kk));
       const uint32_t(&q_kk)[4] = q_frag[kQInRegisters ? kk : 0];
       mma_16816<T>(s[0], q_kk, b[0], b[1]);
       mma_16816<T>(s[1], q_kk, b[2], b[3]);
@@ -277,7 +285,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
 #pragma unroll
     for (int dp = 0; dp < kDTiles / 2; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, v_tile + v_frag_offset + dp * 16);
+      ldmatrix_x4_trans(b, v_tile + Traits::offset(v_frag_row, v_frag_chunk + 2 * dp));
       mma_16816<T>(acc_o[2 * dp], a, b[0], b[1]);
       mma_16816<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
     }
