@@ -50,7 +50,7 @@ struct DecodeTraits {
   static constexpr bool merge_fits() {
     return kMergeFloats * static_cast<int>(sizeof(float)) <= 2 * kStages * kSmemKV * static_cast<int>(sizeof(T));
   }
-  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "decode head dims are 64, 128, 256 (rows of whole 128-byte lines)");
+  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "decode head dims are 64, 128, 256: rows of whole 128-byte lines");
 };
 
 template <typename T, typename Traits, bool kPaged>
