@@ -20,6 +20,7 @@
 #include "cuda/fwd_plan.h"
 #include "cuda/kernel_table.h"
 #include "cuda/launchers.h"
+#include "cuda/packed.h"
 #include "cuda/sm90/tile_size.h"
 #include "cuda/static_switch.h"
 #include "cuda/switches.h"
@@ -675,8 +676,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   at::Tensor dq_semaphore;
   if (deterministic) {
     const sm90::BwdTileShape hopper = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
-    const int64_t block_m = sm90 ? hopper.block_m : sm80::kBwdBlockM, tiles = sm90 ? hopper.dq_tiles : 1;
-    const int64_t num_semaphores = vs.heads * (vs.total_q / block_m + vs.batch) * tiles;
+    const int block_m = sm90 ? hopper.block_m : sm80::kBwdBlockM;
+    const int64_t tiles = sm90 ? hopper.dq_tiles : 1;
+    const int64_t num_semaphores = vs.heads * packed_slots(vs.total_q, vs.batch, block_m) * tiles;
     dq_semaphore = at::zeros({num_semaphores + 1}, q.options().dtype(at::kInt));
     const auto broken = [](const at::Tensor& cu, int64_t total) {
       return cu.select(0, 0).ne(0).logical_or(cu.select(0, -1).ne(total)).logical_or(at::diff(cu).lt(0).any());

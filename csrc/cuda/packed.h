@@ -22,6 +22,7 @@ struct PackedBlock {
   int other_row, other_len;  // ... and along the other one
 };
 
+#ifdef __CUDACC__
 __device__ __forceinline__ int clamped_offset(const int* cu, int b, int total) {
   return min(max(__ldg(cu + b), 0), total);
 }
@@ -48,5 +49,6 @@ __device__ __forceinline__ PackedBlock find_packed_block(const int* cu, int tota
   b.other_len = max(0, clamped_offset(cu_other, lo + 1, total_other) - b.other_row);
   return b;
 }
+#endif  // __CUDACC__
 
 }  // namespace flashattn
