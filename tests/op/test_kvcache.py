@@ -274,7 +274,7 @@ def test_cuda_dense_cache(len_q, len_new, mods):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [16, 64, 256])
-@pytest.mark.parametrize("mods", ["causal", "softcap-sinks"])
+@pytest.mark.parametrize("mods", ["causal", "window", "softcap-sinks"])  # a window's band starts inside a page
 def test_cuda_paged_cache_matches_dense(page_size, mods):
     lengths, len_new = [5, 300, CUDA_LMAX - 2], 2
     k_cache, v_cache = cuda_caches(lengths)
