@@ -95,7 +95,8 @@ def make_extension():
         if wanted:
             sources.append(str(path.relative_to(ROOT)))
     sources += ["csrc/cuda/flash_api.cpp", "csrc/cuda/bwd_chunked.cpp", "csrc/cuda/bwd_preprocess.cu",
-                "csrc/cuda/bwd_postprocess.cu", "csrc/cuda/decode_combine.cu"]
+                "csrc/cuda/bwd_postprocess.cu", "csrc/cuda/decode_combine.cu",
+                "csrc/cuda/kvcache_append.cu"]
     if with_sm90:
         sources.append("csrc/cuda/sm90/sequences.cu")
 

@@ -1,12 +1,12 @@
 // CUDA backend of torch.ops.flashattn: validate, guard the device, allocate, fill the params, plan, one dispatch.
 // ATen types stop here; kernels only see FwdParams / BwdParams.
 #include <ATen/ATen.h>
-#include <ATen/TensorIndexing.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -707,9 +707,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 // ==== KV cache ======================================================================================================
 //
 // The new keys and values are written into the cache on the device (positions from cache_seqlens, never read on the
-// host), then the sm80 sequences variant attends over each entry's valid keys, from a dense cache or through the block
-// table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are clamped into the cache
-// (wrong rows, never an access outside it).
+// host), then the decode path or the sm80 sequences variant attends over each entry's valid keys, from a dense cache or
+// through the block table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are
+// clamped into the cache (wrong rows, never an access outside it).
+
+// Writes the new keys and values into the caches at the positions the lengths give (KvAppendParams); lengths and
+// pages contiguous, or undefined (the cache's last rows; a dense cache).
+cudaError_t append_to_kvcache(const KvCacheShape& ks, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                              at::Tensor& v_cache, const at::Tensor& lengths, const at::Tensor& pages,
+                              cudaStream_t stream) {
+  KvAppendParams a{};
+  a.k_new = k.data_ptr();
+  a.v_new = v.data_ptr();
+  a.k_cache = k_cache.data_ptr();
+  a.v_cache = v_cache.data_ptr();
+  a.kn_batch_stride = k.stride(0), a.kn_head_stride = k.stride(1), a.kn_row_stride = k.stride(2);
+  a.vn_batch_stride = v.stride(0), a.vn_head_stride = v.stride(1), a.vn_row_stride = v.stride(2);
+  a.kc_batch_stride = k_cache.stride(0), a.kc_head_stride = k_cache.stride(1), a.kc_row_stride = k_cache.stride(2);
+  a.vc_batch_stride = v_cache.stride(0), a.vc_head_stride = v_cache.stride(1), a.vc_row_stride = v_cache.stride(2);
+  a.seqlens = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
+  if (ks.paged) {
+    a.block_table = pages.data_ptr<int>();
+    a.block_table_stride = pages.size(1);
+    a.page_size = static_cast<int>(ks.page_size);
+    a.num_pages = static_cast<int>(ks.num_pages);
+  }
+  a.batch = static_cast<int>(ks.batch), a.heads_kv = static_cast<int>(ks.heads_kv);
+  a.len_new = static_cast<int>(ks.len_new), a.head_dim = static_cast<int>(ks.head_dim);
+  a.capacity = static_cast<int>(ks.capacity);
+  // 16-byte copies where every address and stride allows them.
+  bool aligned = ks.head_dim % 8 == 0;
+  const std::array<const at::Tensor*, 4> tensors{&k, &v, &k_cache, &v_cache};
+  for (const at::Tensor* t : tensors) {
+    aligned = aligned && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+    for (int d = 0; d < 3; ++d) aligned = aligned && (t->stride(d) % 8 == 0 || t->size(d) == 1);
+  }
+  a.chunk = aligned ? 8 : 1;
+  return run_kvcache_append(a, stream);
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                                     const std::optional<at::Tensor>& k,
                                                     const std::optional<at::Tensor>& v,
@@ -727,25 +763,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   const int bucket = built_bucket(ks.head_dim, op);
 
   const c10::cuda::CUDAGuard device_guard(q.device());
-  if (ks.len_new > 0 && ks.capacity > 0) {  // the append: cache position p of entry b, for p from its valid length
-    const at::TensorOptions longs = q.options().dtype(at::kLong);
-    const at::Tensor start = cache_seqlens.has_value() ? cache_seqlens->to(at::kLong)
-                                                       : at::full({ks.batch}, ks.capacity - ks.len_new, longs);
-    const at::Tensor pos = (start.unsqueeze(1) + at::arange(ks.len_new, longs)).clamp_(0, ks.capacity - 1);
-    if (ks.paged) {
-      const at::Tensor page =
-          block_table->to(at::kLong).gather(1, pos.div(ks.page_size, "floor")).clamp_(0, ks.num_pages - 1);
-      const at::Tensor row = pos.remainder(ks.page_size);
-      // cache[page, :, row] takes (B, Lnew, Hk, D): the indexed dimensions first.
-      using at::indexing::Slice;
-      k_cache.index_put_({page, Slice(), row}, k->transpose(1, 2));
-      v_cache.index_put_({page, Slice(), row}, v->transpose(1, 2));
-    } else {
-      const at::Tensor index = pos.view({ks.batch, 1, ks.len_new, 1}).expand({ks.batch, ks.heads_kv, ks.len_new,
-                                                                              ks.head_dim});
-      k_cache.scatter_(2, index, *k);
-      v_cache.scatter_(2, index, *v);
-    }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();
+  const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
+  if (ks.len_new > 0 && ks.capacity > 0) {
+    const cudaError_t err = append_to_kvcache(ks, *k, *v, k_cache, v_cache, lengths, pages, stream);
+    TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   }
   at::Tensor out = at::empty({ks.batch, ks.heads, ks.len_q, ks.head_dim}, q.options());
   at::Tensor lse = at::empty({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
@@ -756,10 +779,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   p.options = true;
   const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
-  const at::Tensor lengths =
-      cache_seqlens.has_value() ? (*cache_seqlens + ks.len_new).to(at::kInt).contiguous() : at::Tensor();
   p.seqlens_k = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
-  const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
+  p.len_new = static_cast<int>(ks.len_new);
   if (ks.paged) {
     p.block_table = pages.data_ptr<int>();
     p.block_table_stride = pages.size(1);
@@ -767,7 +788,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     p.page_of = DivMod::of(p.page_size);
     p.num_pages = static_cast<int>(ks.num_pages);
   }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (decode_applies(p, switches())) {
     p.plan = plan_decode(p, bucket, fwd_device(q).num_sms, num_splits);
   } else {

@@ -27,6 +27,9 @@ template <typename T, int HeadDim, bool kPaged>
 cudaError_t run_decode(const FwdParams& params, cudaStream_t stream);
 }  // namespace sm80
 
+// The KV cache's append of new keys and values, before the decode path reads them (kvcache_append.cu).
+cudaError_t run_kvcache_append(const KvAppendParams& params, cudaStream_t stream);
+
 // The passes before and after every fused backward (bwd_preprocess.cu, bwd_postprocess.cu).
 cudaError_t run_bwd_preprocess(const BwdPreprocessParams& params, bool is_bf16, cudaStream_t stream);
 cudaError_t run_bwd_postprocess(const BwdPostprocessParams& params, bool is_bf16, cudaStream_t stream);

@@ -79,10 +79,12 @@ struct FwdParams {
   // len_k are the totals, and lse is (heads, total_q). (Last: the dense kernels' parameter layout stays as it was.)
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
-  // A KV cache (the sm80 sequences variant): seqlens_k, int32 (batch,), each entry's valid keys (clamped to len_k, the
-  // cache's capacity), or null: len_k. block_table, int32 (batch, block_table_stride), or null: a paged cache, whose
-  // k/v batch strides are then the page strides (num_pages pages of page_size rows).
+  // A KV cache (the sm80 sequences variant): seqlens_k, int32 (batch,), each entry's valid keys before the len_new
+  // appended ones (their sum clamped to len_k, the cache's capacity), or null: len_k. block_table, int32 (batch,
+  // block_table_stride), or null: a paged cache, whose k/v batch strides are then the page strides (num_pages pages of
+  // page_size rows).
   const int* __restrict__ seqlens_k;
+  int len_new;
   const int* __restrict__ block_table;
   int64_t block_table_stride;
   int page_size, num_pages;
@@ -98,6 +100,33 @@ struct FwdParams {
   int* seq_order;
   int* seq_tile_start;
   void* seq_maps;
+};
+
+#ifdef __CUDACC__
+// A KV-cache entry's keys: its cache_seqlens value and the appended keys, clamped into the cache.
+__device__ inline int kv_cache_length(const FwdParams& p, int batch) {
+  const int64_t keys = static_cast<int64_t>(__ldg(p.seqlens_k + batch)) + p.len_new;
+  return static_cast<int>(keys < 0 ? 0 : keys > p.len_k ? p.len_k : keys);
+}
+#endif
+
+// The KV cache's append (kvcache_append.cu): row t of entry b's new keys and values (batch, heads_kv, len_new,
+// head_dim) to cache position seqlens[b] + t (null seqlens: capacity - len_new), clamped into [0, capacity), in a
+// dense cache or, with a block table, in its page (the caches' batch strides are then the page strides). chunk: the
+// elements each copy moves (8: every address and stride a multiple of 16 bytes; else 1).
+struct KvAppendParams {
+  const void* __restrict__ k_new;
+  const void* __restrict__ v_new;
+  void* __restrict__ k_cache;
+  void* __restrict__ v_cache;
+  int64_t kn_batch_stride, kn_head_stride, kn_row_stride;
+  int64_t vn_batch_stride, vn_head_stride, vn_row_stride;
+  int64_t kc_batch_stride, kc_head_stride, kc_row_stride;
+  int64_t vc_batch_stride, vc_head_stride, vc_row_stride;
+  const int* __restrict__ seqlens;
+  const int* __restrict__ block_table;
+  int64_t block_table_stride;
+  int batch, heads_kv, len_new, head_dim, capacity, page_size, num_pages, chunk;
 };
 
 // The fused backwards (csrc/cuda/sm80/bwd_kernel.h; on Hopper csrc/cuda/sm90/bwd_kernel.h, bwd_split_kernel.h).

@@ -287,6 +287,33 @@ def test_cuda_paged_cache_matches_dense(page_size, mods):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_cuda_append_writes_only_the_new_rows(paged, aligned):
+    # 16-byte copies where every stride allows them, element copies otherwise (new rows of an odd row stride).
+    lengths, len_new, page_size = [0, 300, CUDA_LMAX - 3], 3, 64
+    k_cache, v_cache = cuda_caches(lengths)
+    k, v = (torch.randn(B, HK, len_new, CUDA_D + (0 if aligned else 1), dtype=torch.bfloat16, device="cuda")
+            [..., :CUDA_D] for _ in range(2))
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    caches, block_table = (k_cache, v_cache), None
+    if paged:
+        *caches, block_table = cuda_pages(k_cache, v_cache, page_size)
+    want = [cache.clone() for cache in caches]
+    for b, n in enumerate(lengths):
+        for t in range(len_new):
+            if paged:
+                page, row = int(block_table[b, (n + t) // page_size]), (n + t) % page_size
+                want[0][page, :, row], want[1][page, :, row] = k[b, :, t], v[b, :, t]
+            else:
+                want[0][b, :, n + t], want[1][b, :, n + t] = k[b, :, t], v[b, :, t]
+    flashattn_ext.flash_attn_with_kvcache(q, caches[0], caches[1], k, v, seqlens, block_table)
+    for cache, expected in zip(caches, want):  # compared as bits: the spare pages hold NaN
+        assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.cuda
 def test_cuda_graph_replays_new_lengths():
     # Lengths live on the device only: a decode step captured once replays with new cache_seqlens.
     k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)

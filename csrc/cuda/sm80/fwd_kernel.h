@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
     head = (blockIdx.x / num_m_blocks) % p.heads;
     batch = blockIdx.x / num_m_blocks / p.heads;
-    if (kSequences && p.seqlens_k != nullptr) seq_len_k = min(max(__ldg(p.seqlens_k + batch), 0), p.len_k);
+    if (kSequences && p.seqlens_k != nullptr) seq_len_k = kv_cache_length(p, batch);
   } else {
     const int num_slots = packed_slots(p.len_q, p.batch, kBlockM);
     const int index = blockIdx.x % num_slots;
