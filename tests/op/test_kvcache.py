@@ -252,7 +252,7 @@ def cuda_mods(name):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mods", list(MODS))
 @pytest.mark.parametrize("len_new", [0, 1, 4])
-@pytest.mark.parametrize("len_q", [1, 4])
+@pytest.mark.parametrize("len_q", [1, 4, 20])  # 20: past the decode path, the sm80 forward
 def test_cuda_dense_cache(len_q, len_new, mods):
     lengths = [0, 300, CUDA_LMAX - len_new]  # an empty cache, a partial one, one that the append fills
     k_cache, v_cache = cuda_caches(lengths)
