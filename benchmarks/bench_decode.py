@@ -9,7 +9,8 @@ Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
   kvcache   flash_attn_with_kvcache over a dense cache, every entry's valid length Lk (cache_seqlens)
   paged     the same over a paged cache (--page-size rows per page, pages in a random order)
   cudnn     scaled_dot_product_attention(enable_gqa=True), pinned to cuDNN
-Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time). Points
+With --append, kvcache and paged also write one new token per call (k, v given, cache_seqlens Lk - 1): a decoding
+step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time). Points
 whose cache would exceed --max-cache-gib are skipped. A CSV row per point goes to --out.
 """
 from __future__ import annotations
@@ -30,14 +31,17 @@ from bench_sdpa import import_flashattn_ext, make_timer, round_order  # noqa: E4
 IMPLS = ["plain", "kvcache", "paged", "cudnn"]
 
 
-def callables(fa, batch, heads, heads_kv, length, head_dim, page_size):
+def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=False):
     dtype, device = torch.bfloat16, "cuda"
     q = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
     k_cache, v_cache = (torch.randn(batch, heads_kv, length, head_dim, dtype=dtype, device=device) for _ in range(2))
-    seqlens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    seqlens = torch.full((batch,), length - (1 if append else 0), dtype=torch.int32, device=device)
+    new = [None, None]  # the token appended per call, with --append
+    if append:
+        new = [torch.randn(batch, heads_kv, 1, head_dim, dtype=dtype, device=device) for _ in range(2)]
     fns = {
         "plain": lambda: fa.flash_attn(q, k_cache, v_cache),
-        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens),
     }
     if length % page_size == 0:
         per_entry = length // page_size
@@ -48,7 +52,7 @@ def callables(fa, batch, heads, heads_kv, length, head_dim, page_size):
         for cache, paged in zip((k_cache, v_cache), pages):
             paged[order] = cache.view(batch, heads_kv, per_entry, page_size, head_dim).transpose(1, 2).reshape(
                 -1, heads_kv, page_size, head_dim)
-        fns["paged"] = lambda: fa.flash_attn_with_kvcache(q, pages[0], pages[1], cache_seqlens=seqlens,
+        fns["paged"] = lambda: fa.flash_attn_with_kvcache(q, pages[0], pages[1], *new, cache_seqlens=seqlens,
                                                           block_table=block_table)
 
     def cudnn():
@@ -68,6 +72,7 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-cache-gib", type=float, default=40.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--append", action="store_true", help="kvcache and paged append one token per call")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args(argv)
     import_flashattn_ext()  # the installed package, else the in-place build
@@ -82,7 +87,7 @@ def main(argv=None):
                 cache_bytes = 2 * batch * heads_kv * length * args.head_dim * 2
                 if cache_bytes > args.max_cache_gib * 2**30:
                     continue
-                fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size)
+                fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append)
                 times = {name: [] for name in fns}
                 for name, fn in list(fns.items()):
                     try:
