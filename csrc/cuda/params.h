@@ -64,8 +64,8 @@ struct FwdParams {
 
   // The Hopper forward's schedule state (tile_scheduler.h), set up by flash_api.cpp as the plan asks: tile_counter,
   // a zeroed int32 from which the causal kernels take their tiles (null: zigzag rounds); sk_flags, 2 * num_sms * 8
-  // int32 zeroed per call (a lock and a "ready" flag per CTA boundary, consumer and warp of a stream-K split, whose grid
-  // is the SM count), and sk_partial, num_sms * 8 * 32 * (D / 2 + 4) floats (a warp's unnormalised O, row bases in
+  // int32 zeroed per call (a lock and a "ready" flag per CTA boundary, consumer and warp of a stream-K split, whose
+  // grid is the SM count), and sk_partial, num_sms * 8 * 32 * (D / 2 + 4) floats (a warp's unnormalised O, row bases in
   // log2 units and row sums).
   // Other kernels ignore them.
   int* tile_counter;
