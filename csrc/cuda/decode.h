@@ -16,6 +16,16 @@ inline constexpr int kDecodeBlockN = 64;   // keys per block of the K/V ring
 inline constexpr int kDecodeMaxLenQ = 16;  // the longest query the decode path takes
 inline constexpr int kDecodeMaxSplits = 64;
 inline constexpr int kDecodeMinBlocksPerSplit = 4;
+inline constexpr int kDecodeWarps = 4;  // each takes 16 keys of every block
+
+// The ring's depth: enough bytes in flight to cover the memory latency, 3-4 stages of 64 keys (two CTAs per SM up to
+// D128 on Hopper).
+inline constexpr int decode_stages(int head_dim) { return head_dim <= 64 ? 4 : 3; }
+// The kernel's shared memory (fp16 / bf16 tiles): Q's rows and the K/V ring (sm80/decode_kernel.h); the plan checks
+// it against the device's limit.
+inline constexpr int decode_smem_bytes(int head_dim) {
+  return (kDecodeRows + 2 * decode_stages(head_dim) * kDecodeBlockN) * head_dim * 2;
+}
 
 // CTAs per (kv head, batch entry) over the packed rows heads_per_kv * len_q.
 __host__ __device__ constexpr int decode_row_groups(int heads_per_kv, int len_q) {

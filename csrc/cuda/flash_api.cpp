@@ -148,7 +148,9 @@ bool sm90_device(const at::Tensor& q) {
 FwdDevice fwd_device(const at::Tensor& q) {
   FwdDevice device{};
   device.sm90 = sm90_device(q);
-  device.num_sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  device.num_sms = props->multiProcessorCount;
+  device.smem_per_block = static_cast<int>(props->sharedMemPerBlockOptin);
   return device;
 }
 
@@ -285,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const bool wants_sm90 = fwd_wants_sm90(bucket, device, sw);
   // The decode path needs no maps.
   device.tma_maps_q_kv =
-      wants_sm90 && !decode_applies(params, sw) && tma_maps_inputs(params, is_bf16, q.get_device());
+      wants_sm90 && !decode_applies(params, bucket, device, sw) && tma_maps_inputs(params, is_bf16, q.get_device());
   params.plan = plan_fwd(params, bucket, device, sw, at::globalContext().deterministicAlgorithms());
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel != FwdKernel::kSm80,
               "flashattn.fwd: FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
@@ -788,8 +790,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     p.page_of = DivMod::of(p.page_size);
     p.num_pages = static_cast<int>(ks.num_pages);
   }
-  if (decode_applies(p, switches())) {
-    p.plan = plan_decode(p, bucket, fwd_device(q).num_sms, num_splits);
+  const FwdDevice device = fwd_device(q);
+  if (decode_applies(p, bucket, device, switches())) {
+    p.plan = plan_decode(p, bucket, device.num_sms, num_splits);
   } else {
     p.plan.kernel = FwdKernel::kSm80;
     p.plan.head_dim = bucket;

@@ -21,6 +21,7 @@ struct FwdDevice {
   bool sm90;           // a Hopper GPU, and the Hopper kernels built (sm_90a in FLASHATTN_CUDA_ARCHS)
   bool tma_maps_q_kv;  // TMA can describe q, k and v as they are (sm90/tma.h: tma_can_map)
   int num_sms;
+  int smem_per_block;  // the most shared memory a CTA may opt into
 };
 
 // Whether the call asks for the Hopper kernel (on a Hopper GPU, the bucket covered, the switch not off), whatever the
@@ -29,8 +30,11 @@ inline bool fwd_wants_sm90(int bucket, const FwdDevice& device, const Switches& 
   return device.sm90 && sw.fwd_sm90 != Sm90Use::kOff && sm90_fwd_covers(bucket);
 }
 
-// Whether the decode path takes the call: a few query rows (any GPU, any score modification).
-inline bool decode_applies(const FwdParams& p, const Switches& sw) { return sw.decode && p.len_q <= kDecodeMaxLenQ; }
+// Whether the decode path takes the call: a few query rows (any score modification), on a GPU whose CTAs may have the
+// kernel's shared memory (not D128 on sm_86 / sm_89, nor D256 on sm_80: the forward kernels take those).
+inline bool decode_applies(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw) {
+  return sw.decode && p.len_q <= kDecodeMaxLenQ && decode_smem_bytes(decode_head_dim(bucket)) <= device.smem_per_block;
+}
 
 // The decode path's plan: its head dim, the key splits (`requested` > 0 overrides them) and their workspace.
 inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t requested) {
@@ -64,7 +68,7 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
 // `p` holds the call's shapes (its plan is ignored); `deterministic`: torch.use_deterministic_algorithms is on.
 inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw,
                         bool deterministic) {
-  if (decode_applies(p, sw)) return plan_decode(p, bucket, device.num_sms, 0);
+  if (decode_applies(p, bucket, device, sw)) return plan_decode(p, bucket, device.num_sms, 0);
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm80;
   plan.head_dim = bucket;

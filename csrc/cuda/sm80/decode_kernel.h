@@ -26,11 +26,10 @@ template <int HeadDim>
 struct DecodeTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kRows = kDecodeRows;  // query rows per CTA: one m16 tile, shared by the warps
-  static constexpr int kNWarps = 4;
+  static constexpr int kNWarps = kDecodeWarps;
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kBlockN = kDecodeBlockN;  // keys per stage: 16 per warp
-  // Enough bytes in flight to cover the memory latency: 3-4 stages of 64 keys (two CTAs per SM up to D128).
-  static constexpr int kStages = HeadDim <= 64 ? 4 : 3;
+  static constexpr int kStages = decode_stages(HeadDim);
   // Tile rows are whole 128-byte lines, their 16-byte chunks swizzled (chunk c of row r at c ^ (r % 8)): ldmatrix is
   // conflict-free, and each 128-byte line of global memory lands in one line of shared memory, so that its cp.async is
   // one L2 request (with padded rows, lines straddled two and the L2 served 1.5x the bytes read).
@@ -44,7 +43,9 @@ struct DecodeTraits {
   static constexpr int kMergeFloats = kNWarps * kRows * (kMergeStride + 2);
   template <typename T>
   static constexpr int smem_bytes() {
-    return (kSmemQ + 2 * kStages * kSmemKV) * static_cast<int>(sizeof(T));
+    constexpr int kBytes = (kSmemQ + 2 * kStages * kSmemKV) * sizeof(T);
+    static_assert(kBytes == decode_smem_bytes(HeadDim), "the plan's figure (decode.h)");
+    return kBytes;
   }
   template <typename T>
   static constexpr bool merge_fits() {
