@@ -21,10 +21,12 @@ inline constexpr int kDecodeWarps = 4;  // each takes 16 keys of every block
 // The ring's depth: enough bytes in flight to cover the memory latency, 3-4 stages of 64 keys (two CTAs per SM up to
 // D128 on Hopper).
 inline constexpr int decode_stages(int head_dim) { return head_dim <= 64 ? 4 : 3; }
-// The kernel's shared memory (fp16 / bf16 tiles): Q's rows and the K/V ring (sm80/decode_kernel.h); the plan checks
-// it against the device's limit.
+// The kernel's shared memory (fp16 / bf16 tiles): Q's rows and the K/V ring, then fp32 row maxima and sums of every
+// warp and the parts folded so far (sm80/decode_kernel.h); the plan checks it against the device's limit.
 inline constexpr int decode_smem_bytes(int head_dim) {
-  return (kDecodeRows + 2 * decode_stages(head_dim) * kDecodeBlockN) * head_dim * 2;
+  const int tiles = (kDecodeRows + 2 * decode_stages(head_dim) * kDecodeBlockN) * head_dim;
+  const int floats = 2 * kDecodeWarps * kDecodeRows + kDecodeRows * head_dim;
+  return tiles * 2 + floats * 4;
 }
 
 // CTAs per (kv head, batch entry) over the packed rows heads_per_kv * len_q.
@@ -44,6 +46,19 @@ inline int decode_splits(int heads_kv, int heads_per_kv, int len_q, int64_t len_
   const int64_t want = 2 * static_cast<int64_t>(num_sms) / ctas;
   const int64_t cap = std::max<int64_t>(1, std::min(most, blocks / kDecodeMinBlocksPerSplit));
   return static_cast<int>(std::clamp<int64_t>(want, 1, cap));
+}
+
+// Whether one CTA runs all the splits of a row group in turn (folding their parts itself: no combine pass, no
+// workspace) instead of a CTA per split: where the row groups alone fill the GPU twice (two CTAs per SM) and the
+// splits are short, so that splitting adds CTA starts, fp32 parts and a pass without adding parallelism. Long splits
+// keep a CTA each: their overheads are small, and many short CTAs fill the last wave better than a few long ones.
+// The bits are the same either way.
+inline constexpr int kDecodeMaxBlocksInTurn = 8;  // a split's blocks, at most, for its row group to run in turn
+inline bool decode_splits_in_turn(int batch, int heads_kv, int heads_per_kv, int len_q, int64_t len_k, int num_sms,
+                                  int splits) {
+  const int64_t ctas = static_cast<int64_t>(batch) * heads_kv * decode_row_groups(heads_per_kv, len_q);
+  const int64_t blocks = (len_k + kDecodeBlockN - 1) / kDecodeBlockN;
+  return splits > 1 && ctas >= 2 * static_cast<int64_t>(num_sms) && blocks <= kDecodeMaxBlocksInTurn * splits;
 }
 
 // The splits' workspace: split s's part of output row r (rows (batch, head, query), B * H * Lq of them) is row

@@ -1,31 +1,40 @@
-// The decode path's last pass with several splits: each (batch, head, query) row's split parts merged by their lse,
-// in a fixed order (deterministic, batch-invariant), the sink joining the denominator.
+// The decode path's last pass where each split had its own CTA: each (batch, head, query) row's split parts folded in
+// split order (row_epilogue.h: SplitFold, the arithmetic of a CTA that runs the splits in turn), the sink joining the
+// denominator: deterministic, batch-invariant, and the same bits either way.
 //
 // CTA = one row, head_dim threads: thread (g, c) reads float4 column chunk c of the parts of splits g, g + 4, ...
-// (kGroups groups), all before any is needed, so that the row costs one round trip to memory; warp 0 meanwhile forms
-// the lse and the splits' weights. Each group adds its parts in split order, then the groups add in order g = 0 .. 3.
+// (kGroups groups), all before any is needed, so that the row costs one round trip to memory, and stores them to
+// shared memory. Warp 0 forms every split's factors at once (the running maxima by a scan); then the first group's
+// threads fold their chunk of every split in order, where only the sums wait on the split before.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
 #include "cuda/decode.h"
 #include "cuda/ptx_common.h"
+#include "cuda/row_epilogue.h"
 
 namespace flashattn {
 namespace {
 
 constexpr int kGroups = 4;                                  // split groups of a row: head_dim / 4 threads each
 constexpr int kPartsPerThread = kDecodeMaxSplits / kGroups;  // parts a thread holds in registers
-constexpr int kSplitsPerLane = 2;                           // warp 0's lanes hold the splits' lse
+constexpr int kSplitsPerLane = 2;                           // warp 0's lanes: splits lane, lane + 32
 constexpr int kMaxHeadDim = 256;
-static_assert(kDecodeMaxSplits <= 32 * kSplitsPerLane && kDecodeMaxSplits % kGroups == 0, "the splits fit the groups");
+static_assert(kDecodeMaxSplits == 32 * kSplitsPerLane && kDecodeMaxSplits % kGroups == 0, "the splits fit");
+
+// Dynamic shared memory of a row: every split's part (float4 chunks).
+inline int combine_smem_bytes(int splits, int head_dim) { return splits * head_dim * static_cast<int>(sizeof(float)); }
 
 template <typename T>
 __global__ void __launch_bounds__(kMaxHeadDim)
     decode_combine_kernel(const __grid_constant__ FwdParams p, int head_dim) {
-  __shared__ float weight[kDecodeMaxSplits];
-  __shared__ float row_lse;
-  __shared__ float4 group_sum[kGroups - 1][kMaxHeadDim / 4];
+  extern __shared__ float4 parts[];                 // [split][chunk]
+  // The splits that saw keys of the row, in order: their index and factors (alpha, beta); how many; the maximum.
+  __shared__ int taken[kDecodeMaxSplits];
+  __shared__ float2 factors[kDecodeMaxSplits];
+  __shared__ int num_taken;
+  __shared__ float row_max;
 
   const int64_t row = blockIdx.x;
   const int splits = p.plan.splits;
@@ -37,82 +46,87 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   for (int i = 0; i < kPartsPerThread; ++i) {
     const int s = group + kGroups * i;
     // Every split wrote its part (zeros where it saw no keys of the row): the read is in bounds and defined.
-    part[i] = s < splits ? reinterpret_cast<const float4*>(p.split_out + decode_split_part(p, s, row) * head_dim)[chunk]
-                         : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (s < splits) {
+      part[i] = reinterpret_cast<const float4*>(p.split_out + decode_split_part(p, s, row) * head_dim)[chunk];
+    }
   }
-
-  const int query = static_cast<int>(row % p.len_q);
-  const int head = static_cast<int>(row / p.len_q % p.heads);
-  const int64_t batch = row / p.len_q / p.heads;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    float part_lse[kSplitsPerLane];  // of splits lane, lane + 32 (-inf past the last split)
+    float lse[kSplitsPerLane], m[kSplitsPerLane];  // of splits lane, lane + 32 (-inf past the last split)
 #pragma unroll
     for (int j = 0; j < kSplitsPerLane; ++j) {
       const int s = lane + 32 * j;
-      part_lse[j] = s < splits ? p.split_lse[decode_split_part(p, s, row)] : -CUDART_INF_F;
+      lse[j] = s < splits ? p.split_lse[decode_split_part(p, s, row)] : -CUDART_INF_F;
+      m[j] = fmaxf(-CUDART_INF_F, lse[j]);  // a NaN part leaves the maximum where it was, as in fold_part
     }
-    // lse = log(sum_s exp(lse_s) + exp(sink)), against the largest term; a NaN part makes the row NaN (fmaxf would
-    // pass over it).
-    float top = -CUDART_INF_F;
-    bool nan = false;
+    // The running maxima (inclusive), as the fold forms them one split after another.
 #pragma unroll
     for (int j = 0; j < kSplitsPerLane; ++j) {
-      top = fmaxf(top, part_lse[j]);
-      nan |= part_lse[j] != part_lse[j];
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const float before = __shfl_up_sync(0xffffffff, m[j], offset);
+        if (lane >= offset) m[j] = fmaxf(m[j], before);
+      }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, offset));
-    nan = __any_sync(0xffffffff, nan);
-    const bool sink = p.options && p.sinks != nullptr;
-    const float sink_lse = sink ? p.sinks[head] : -CUDART_INF_F;
-    top = fmaxf(top, sink_lse);
-    float total = 0.f;
-    if (top != -CUDART_INF_F) {
-#pragma unroll
-      for (int j = 0; j < kSplitsPerLane; ++j) total += expf(part_lse[j] - top);
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffff, total, offset);
-    if (top != -CUDART_INF_F && sink) total += expf(sink_lse - top);
-    const float lse = nan ? CUDART_NAN_F : top == -CUDART_INF_F ? -CUDART_INF_F : top + logf(total);
-    // A split's weight: 0 where it saw no keys of the row, NaN with a NaN lse.
+    const float first_half = __shfl_sync(0xffffffff, m[0], 31);
+    m[1] = fmaxf(m[1], first_half);
+    float m_prev[kSplitsPerLane];  // the maxima before each split (every lane shuffles, lane 0 then takes its own)
+    m_prev[0] = __shfl_up_sync(0xffffffff, m[0], 1);
+    m_prev[1] = __shfl_up_sync(0xffffffff, m[1], 1);
+    if (lane == 0) m_prev[0] = -CUDART_INF_F, m_prev[1] = first_half;
+    int before = 0;  // splits taken before this half
 #pragma unroll
     for (int j = 0; j < kSplitsPerLane; ++j) {
-      const int s = lane + 32 * j;
-      if (s < kDecodeMaxSplits) weight[s] = lse == -CUDART_INF_F ? 0.f : expf(part_lse[j] - lse);
+      const bool take = lse[j] != -CUDART_INF_F;
+      const unsigned half = __ballot_sync(0xffffffff, take);
+      if (take) {
+        const int slot = before + __popc(half & ((1u << lane) - 1));
+        float alpha, beta;
+        fold_factors(m_prev[j], m[j], lse[j], alpha, beta);
+        taken[slot] = lane + 32 * j;
+        factors[slot] = make_float2(alpha, beta);
+      }
+      before += __popc(half);
     }
-    if (lane == 0) row_lse = lse;
+    if (lane == 31) row_max = m[1];
+    if (lane == 0) num_taken = before;
   }
-  __syncthreads();
-
-  // This group's splits in order; a split without keys of the row adds nothing (a NaN weight does).
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int i = 0; i < kPartsPerThread; ++i) {
     const int s = group + kGroups * i;
-    const float w = s < splits ? weight[s] : 0.f;
-    if (w != 0.f) {
-      acc.x += w * part[i].x, acc.y += w * part[i].y, acc.z += w * part[i].z, acc.w += w * part[i].w;
-    }
+    if (s < splits) parts[s * chunks + chunk] = part[i];
   }
-  if (group > 0) group_sum[group - 1][chunk] = acc;
   __syncthreads();
   if (group > 0) return;
-#pragma unroll
-  for (int g = 0; g < kGroups - 1; ++g) {
-    const float4 o = group_sum[g][chunk];
-    acc.x += o.x, acc.y += o.y, acc.z += o.z, acc.w += o.w;
+
+  // The taken splits in order, without a branch between them, so that their loads run ahead of the sums.
+  SplitFold fold{row_max, 0.f};
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int count = num_taken;
+#pragma unroll 8
+  for (int i = 0; i < count; ++i) {
+    const float2 f = factors[i];
+    const float4 o = parts[taken[i] * chunks + chunk];
+    fold.sum = fmaf(fold.sum, f.x, f.y);
+    acc.x = fold_add(acc.x, f.x, o.x, f.y);
+    acc.y = fold_add(acc.y, f.x, o.y, f.y);
+    acc.z = fold_add(acc.z, f.x, o.z, f.y);
+    acc.w = fold_add(acc.w, f.x, o.w, f.y);
   }
+  const int query = static_cast<int>(row % p.len_q);
+  const int head = static_cast<int>(row / p.len_q % p.heads);
+  const int64_t batch = row / p.len_q / p.heads;
+  float lse;
+  const float scale = fold_finish(fold, p.options && p.sinks != nullptr ? p.sinks[head] : -CUDART_INF_F, lse);
   if (4 * chunk < p.head_dim) {
     T* const out = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride +
                    static_cast<int64_t>(query) * p.o_row_stride + 4 * chunk;
     uint2 packed;
-    packed.x = pack2<T>(acc.x, acc.y);
-    packed.y = pack2<T>(acc.z, acc.w);
+    packed.x = pack2<T>(acc.x * scale, acc.y * scale);
+    packed.y = pack2<T>(acc.z * scale, acc.w * scale);
     *reinterpret_cast<uint2*>(out) = packed;
   }
-  if (threadIdx.x == 0) p.lse[row] = row_lse;
+  if (threadIdx.x == 0) p.lse[row] = lse;
 }
 
 }  // namespace
@@ -121,7 +135,15 @@ template <typename T>
 cudaError_t run_decode_combine(const FwdParams& params, int head_dim, cudaStream_t stream) {
   if (head_dim % 32 != 0 || head_dim > kMaxHeadDim) return cudaErrorInvalidValue;  // whole warps, one a row
   const int64_t rows = decode_split_rows(params);
-  decode_combine_kernel<T><<<static_cast<unsigned>(rows), head_dim, 0, stream>>>(params, head_dim);
+  const int smem = combine_smem_bytes(params.plan.splits, head_dim);
+  // Past 48 KB with the kernel's own shared arrays, the launch needs the larger limit.
+  constexpr int kStaticBytes = kDecodeMaxSplits * static_cast<int>(sizeof(int) + sizeof(float2)) + 16;
+  if (smem + kStaticBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(decode_combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 combine_smem_bytes(kDecodeMaxSplits, kMaxHeadDim));
+    if (err != cudaSuccess) return err;
+  }
+  decode_combine_kernel<T><<<static_cast<unsigned>(rows), head_dim, smem, stream>>>(params, head_dim);
   return cudaGetLastError();
 }
 

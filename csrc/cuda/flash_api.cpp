@@ -792,7 +792,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   }
   const FwdDevice device = fwd_device(q);
   if (decode_applies(p, bucket, device, switches())) {
-    p.plan = plan_decode(p, bucket, device.num_sms, num_splits);
+    p.plan = plan_decode(p, bucket, device.num_sms, num_splits, switches());
   } else {
     p.plan.kernel = FwdKernel::kSm80;
     p.plan.head_dim = bucket;

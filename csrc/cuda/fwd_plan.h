@@ -36,13 +36,20 @@ inline bool decode_applies(const FwdParams& p, int bucket, const FwdDevice& devi
   return sw.decode && p.len_q <= kDecodeMaxLenQ && decode_smem_bytes(decode_head_dim(bucket)) <= device.smem_per_block;
 }
 
-// The decode path's plan: its head dim, the key splits (`requested` > 0 overrides them) and their workspace.
-inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t requested) {
+// The decode path's plan: its head dim, the key splits (`requested` > 0 overrides them), whether a CTA runs them in
+// turn (the switch may force either way) and their workspace.
+inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t requested, const Switches& sw) {
   FwdPlan plan{};
   plan.kernel = FwdKernel::kDecode;
   plan.head_dim = decode_head_dim(bucket);
   plan.splits = decode_splits(p.heads_kv, p.heads_per_kv, p.len_q, p.len_k, num_sms, requested);
-  plan.workspace_bytes = decode_workspace_floats(p, plan.splits, plan.head_dim) * static_cast<int64_t>(sizeof(float));
+  plan.splits_in_turn = sw.decode_splits == DecodeSplits::kAuto
+                            ? decode_splits_in_turn(p.batch, p.heads_kv, p.heads_per_kv, p.len_q, p.len_k, num_sms,
+                                                    plan.splits)
+                            : sw.decode_splits == DecodeSplits::kInTurn && plan.splits > 1;
+  if (!plan.splits_in_turn) {
+    plan.workspace_bytes = decode_workspace_floats(p, plan.splits, plan.head_dim) * static_cast<int64_t>(sizeof(float));
+  }
   return plan;
 }
 
@@ -68,7 +75,7 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
 // `p` holds the call's shapes (its plan is ignored); `deterministic`: torch.use_deterministic_algorithms is on.
 inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw,
                         bool deterministic) {
-  if (decode_applies(p, bucket, device, sw)) return plan_decode(p, bucket, device.num_sms, 0);
+  if (decode_applies(p, bucket, device, sw)) return plan_decode(p, bucket, device.num_sms, 0, sw);
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm80;
   plan.head_dim = bucket;

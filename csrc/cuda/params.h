@@ -29,6 +29,7 @@ struct FwdPlan {
                                     // sm90/sequences.h
   int64_t zeroed_bytes;             // the leading part of the workspace zeroed before the launch
   int splits;                       // kDecode: key splits (1: the kernel writes out itself)
+  bool splits_in_turn;              // kDecode: one CTA runs a row group's splits in turn (no combine, no workspace)
 };
 
 struct FwdParams {

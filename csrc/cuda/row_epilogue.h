@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <math_constants.h>
 
+#include "cuda/ptx_common.h"
+
 namespace flashattn {
 
 // Query `row` sees at least one key unless the bottom-right causal mask leaves it none: row + (Lk - Lq) < 0
@@ -42,6 +44,55 @@ __device__ __forceinline__ float row_lse(bool sees_keys, float base_log2, float 
   constexpr float kLn2 = 0.6931471805599453f;
   if (!sees_keys) return -CUDART_INF_F;
   return sum > 0.f ? (base_log2 + __log2f(sum)) * kLn2 : CUDART_NAN_F;
+}
+
+// A row computed in key splits (the decode path): its parts, each normalised with its natural-log lse, folded in split
+// order into a running maximum m and sum, the output accumulated as acc = acc * alpha + part * beta. The decode kernel
+// (a CTA running the splits in turn) and the combine pass (a CTA per split before it) both fold through these, so that
+// a row's bits do not depend on which of them ran. A fold starts at {-inf, 0}; a NaN part makes the sum NaN.
+struct SplitFold {
+  float m, sum;
+};
+
+// The factors of the accumulator and of a part of lse `lse` (not -inf) where the parts before it had maximum m_prev
+// and m = fmaxf(m_prev, lse): the maxima are exact, so the combine may form them by a scan, in any order.
+__device__ __forceinline__ void fold_factors(float m_prev, float m, float lse, float& alpha, float& beta) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  alpha = m_prev == -CUDART_INF_F ? 0.f : fast_exp2((m_prev - m) * kLog2e);
+  beta = fast_exp2((lse - m) * kLog2e);
+}
+
+// Folds in a part of lse `lse`: false where the part saw no key of the row (nothing to add), else the factors.
+__device__ __forceinline__ bool fold_part(SplitFold& f, float lse, float& alpha, float& beta) {
+  if (lse == -CUDART_INF_F) return false;
+  const float m = fmaxf(f.m, lse);
+  fold_factors(f.m, m, lse, alpha, beta);
+  f.sum = fmaf(f.sum, alpha, beta);
+  f.m = m;
+  return true;
+}
+
+__device__ __forceinline__ float fold_add(float acc, float alpha, float part, float beta) {
+  return fmaf(part, beta, acc * alpha);
+}
+
+// The folded row's end: the sink (natural-log logit; -inf or none: no sink) joins the denominator. Returns the factor
+// of the accumulator (0 for a row without keys or sink) and sets lse (-inf without keys or sink, NaN for a NaN row).
+__device__ __forceinline__ float fold_finish(SplitFold f, float sink, float& lse) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  float keep = 1.f;
+  if (sink != -CUDART_INF_F) {
+    const float m = fmaxf(f.m, sink);
+    keep = f.m == -CUDART_INF_F ? 0.f : fast_exp2((f.m - m) * kLog2e);
+    f.sum = fmaf(f.sum, keep, fast_exp2((sink - m) * kLog2e));
+    f.m = m;
+  }
+  if (f.sum > 0.f) {
+    lse = f.m + __logf(f.sum);
+    return keep / f.sum;
+  }
+  lse = f.sum == 0.f ? -CUDART_INF_F : CUDART_NAN_F;
+  return f.sum == 0.f ? 0.f : CUDART_NAN_F;
 }
 
 }  // namespace flashattn

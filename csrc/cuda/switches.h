@@ -17,6 +17,9 @@ enum class Sm90Use { kOff, kOn, kStrict };
 // counter even where zigzag rounds apply), "whole-tiles" (no stream-K split) or "stream-k" (the split at any tile
 // length, batch invariance or not; never under deterministic algorithms).
 enum class FwdScheduleChoice { kAuto, kCounter, kWholeTiles, kStreamK };
+// FLASHATTN_DECODE_SPLITS, for tests and comparisons of the decode path's two ways of running its key splits (the
+// same bits): "ctas" (a CTA per split, then the combine pass) or "in-turn" (one CTA runs a row group's splits in turn).
+enum class DecodeSplits { kAuto, kCtas, kInTurn };
 
 struct Switches {
   Sm90Use fwd_sm90 = Sm90Use::kOn;
@@ -25,6 +28,7 @@ struct Switches {
   bool batch_invariant = true;   // FLASHATTN_BATCH_INVARIANT=0 allows the batch-dependent stream-K split
   bool decode = true;            // FLASHATTN_DECODE=0: short queries run the forward kernels, not the decode path
   FwdScheduleChoice fwd_schedule = FwdScheduleChoice::kAuto;
+  DecodeSplits decode_splits = DecodeSplits::kAuto;
 };
 
 namespace detail {
@@ -60,6 +64,10 @@ inline Switches read_switches() {
                    : schedule == "whole-tiles" ? FwdScheduleChoice::kWholeTiles
                    : schedule == "stream-k"    ? FwdScheduleChoice::kStreamK
                                                : FwdScheduleChoice::kAuto;
+  const std::string splits = read_switch("FLASHATTN_DECODE_SPLITS", {"auto", "ctas", "in-turn"}, "auto");
+  s.decode_splits = splits == "ctas"      ? DecodeSplits::kCtas
+                    : splits == "in-turn" ? DecodeSplits::kInTurn
+                                          : DecodeSplits::kAuto;
   return s;
 }
 

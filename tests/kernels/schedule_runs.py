@@ -1,7 +1,7 @@
 """Forward calls for the schedule tests, run in a process of their own where a switch must differ (isolated.py)."""
 import torch
 
-import flashattn_ext  # noqa: F401  (registers torch.ops.flashattn)
+import flashattn_ext
 
 
 def forward_each(cases):
@@ -12,3 +12,13 @@ def forward_each(cases):
         out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)
         results.append((out, lse, torch.cuda.memory_stats()["allocation.all.allocated"] - before))
     return results
+
+
+def kvcache_each(cases):
+    """cases: [(q, k_cache, v_cache, kwargs)] -> ([(out, lse)], the names of the CUDA kernels the calls ran)."""
+    results = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for q, k_cache, v_cache, kwargs in cases:
+            results.append(flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True, **kwargs))
+        torch.cuda.synchronize()
+    return results, sorted({event.name for event in prof.events()})

@@ -5,9 +5,11 @@
 // packed together (row r: query r % Lq of query head kv_head * G + r / Lq, G = heads_per_kv), so that one read of a
 // K/V byte serves all of them. The CTA walks its split's 64-key blocks through a kStages-deep cp.async ring (dense
 // rows, or the pages of the block table); each of the 4 warps takes 16 keys of every block with its own online softmax
-// (mma.sync m16n8k16), and the warps merge through shared memory at the end. With one split the CTA writes out and
-// lse; with more it writes its rows' normalised fp32 output and lse, which decode_combine.cu merges in split order.
-// Every row's bits depend on its own inputs, the split count and nothing else in the batch.
+// (mma.sync m16n8k16), and the warps merge through shared memory at each split's end. With one split the CTA writes
+// out and lse. With more, either a CTA per split writes its rows' normalised fp32 part and lse, which decode_combine.cu
+// folds in split order, or (plan.splits_in_turn, where the row groups alone fill the GPU) one CTA runs every split of
+// its rows in turn and folds the parts itself, with the same arithmetic (row_epilogue.h: SplitFold). Every row's bits
+// depend on its own inputs, the split count and nothing else in the batch.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,18 +40,20 @@ struct DecodeTraits {
   __device__ static constexpr int offset(int row, int chunk) { return row * kSmemStride + (chunk ^ (row % 8)) * 8; }
   static constexpr int kSmemQ = kRows * kSmemStride;
   static constexpr int kSmemKV = kBlockN * kSmemStride;
-  // The merge reuses the K/V ring: each warp's fp32 output rows (padded by 8 floats), then row maxima and sums.
-  static constexpr int kMergeStride = HeadDim + 8;
-  static constexpr int kMergeFloats = kNWarps * kRows * (kMergeStride + 2);
+  // The warps' merge at a split's end borrows the ring stage of the split's last block (warps 0, 1 its K tile, 2, 3
+  // its V tile: their fp32 output rows); after the ring, the row maxima and sums, then the parts folded so far (fp32
+  // rows: in registers they made the D256 kernel spill).
+  static constexpr int kMergeStats = 2 * kNWarps * kRows;
+  static constexpr int kFoldFloats = kRows * kHeadDim;
   template <typename T>
   static constexpr int smem_bytes() {
-    constexpr int kBytes = (kSmemQ + 2 * kStages * kSmemKV) * sizeof(T);
+    constexpr int kBytes = (kSmemQ + 2 * kStages * kSmemKV) * sizeof(T) + (kMergeStats + kFoldFloats) * sizeof(float);
     static_assert(kBytes == decode_smem_bytes(HeadDim), "the plan's figure (decode.h)");
     return kBytes;
   }
   template <typename T>
   static constexpr bool merge_fits() {
-    return kMergeFloats * static_cast<int>(sizeof(float)) <= 2 * kStages * kSmemKV * static_cast<int>(sizeof(T));
+    return 2 * kRows * kHeadDim * static_cast<int>(sizeof(float)) <= kSmemKV * static_cast<int>(sizeof(T));
   }
   static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "decode head dims are 64, 128, 256: rows of whole 128-byte lines");
 };
@@ -62,7 +66,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   constexpr int kStride = Traits::kSmemStride;
   constexpr int kRows = Traits::kRows;
   constexpr int kDTiles = kHeadDim / 8;
-  static_assert(Traits::template merge_fits<T>(), "the merge fits in the K/V ring");
+  static_assert(Traits::template merge_fits<T>(), "two warps' rows fit in a K or V tile");
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* const sQ = reinterpret_cast<T*>(smem_raw);
@@ -71,7 +75,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int split = blockIdx.x;
+  const bool in_turn = p.plan.splits_in_turn;
   const int group_rows = p.heads_per_kv * p.len_q;  // the kv head's packed query rows
   const int row_groups = decode_row_groups(p.heads_per_kv, p.len_q);
   const int kv_head = blockIdx.y / row_groups;
@@ -85,11 +89,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   const int left = p.window_left, right = p.window_right;
   const int n_lo = left < 0 ? 0 : min(len_k, max(0, shift - left));
   const int n_hi = right < 0 ? len_k : max(n_lo, min(len_k, p.len_q - 1 + shift + right + 1));
-  // The split's blocks: the entry's blocks in num_splits equal runs.
+  // The splits: the entry's blocks in plan.splits equal runs. The CTA's blocks: one split's, or all of them in turn.
   const int num_blocks = (n_hi - n_lo + kBlockN - 1) / kBlockN;
   const int per_split = (num_blocks + p.plan.splits - 1) / p.plan.splits;
-  const int b_begin = min(num_blocks, split * per_split);
-  const int b_end = min(num_blocks, b_begin + per_split);
+  const int b_begin = in_turn ? 0 : min(num_blocks, static_cast<int>(blockIdx.x) * per_split);
+  const int b_end = in_turn ? num_blocks : min(num_blocks, b_begin + per_split);
 
   // A packed row's query head and query.
   const auto head_of = [&](int r) { return kv_head * p.heads_per_kv + r / p.len_q; };
@@ -223,6 +227,81 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   const int k_frag_row = (lane / 16) * 8 + lane % 8, k_frag_chunk = (lane / 8) % 2;
   const int v_frag_row = ((lane / 8) % 2) * 8 + lane % 8, v_frag_chunk = lane / 16;
 
+  // The warps' merge at a split's end: thread t gets row t / kThreadsPerRow of the CTA's 16, kCols columns from col0,
+  // as fp32 sums against `base` (log2 units) with their total `sum`. The warps' rows go to ring stage `stage` (every
+  // warp done with it), 8-column groups swizzled by row (conflict-free float2 stores); then the state is reset.
+  constexpr int kThreadsPerRow = Traits::kNThreads / kRows;
+  constexpr int kCols = kHeadDim / kThreadsPerRow;
+  static_assert(kCols % 8 == 0, "whole 16-byte chunks of the output row");
+  const int out_row = threadIdx.x / kThreadsPerRow;
+  const int col0 = (threadIdx.x % kThreadsPerRow) * kCols;
+  float* const merge_max = reinterpret_cast<float*>(sV + kStages * Traits::kSmemKV);  // [warp][row]
+  float* const merge_sum = merge_max + Traits::kNWarps * kRows;
+  const auto merge_warps = [&](int stage, float(&o)[kCols], float& base, float& sum) {
+    const auto merge_row = [&](int w, int row) {
+      float* const half = reinterpret_cast<float*>((w < 2 ? sK : sV) + stage * Traits::kSmemKV);
+      return half + ((w % 2) * kRows + row) * kHeadDim;
+    };
+    const auto swizzled = [](int row, int col) { return col ^ ((row % 4) * 8); };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float total = row_sum[h];
+      total += __shfl_xor_sync(0xffffffff, total, 1);
+      total += __shfl_xor_sync(0xffffffff, total, 2);
+      const int row = lane / 4 + 8 * h;
+      if (lane % 4 == 0) {
+        merge_max[warp * kRows + row] = row_max[h];
+        merge_sum[warp * kRows + row] = total;
+      }
+      float* const dst = merge_row(warp, row);
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        *reinterpret_cast<float2*>(dst + swizzled(row, 8 * dt + 2 * (lane % 4))) =
+            make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
+        acc_o[dt][2 * h] = acc_o[dt][2 * h + 1] = 0.f;
+      }
+      row_max[h] = -CUDART_INF_F;
+      row_sum[h] = 0.f;
+    }
+    __syncthreads();
+    base = -CUDART_INF_F;
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w) base = fmaxf(base, merge_max[w * kRows + out_row]);
+    float weight[Traits::kNWarps];
+    sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < Traits::kNWarps; ++w) {
+      weight[w] = base == -CUDART_INF_F ? 0.f : exp2f(merge_max[w * kRows + out_row] - base);
+      sum += merge_sum[w * kRows + out_row] * weight[w];
+    }
+#pragma unroll
+    for (int c = 0; c < kCols; c += 4) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < Traits::kNWarps; ++w) {
+        const float4 x = *reinterpret_cast<const float4*>(merge_row(w, out_row) + swizzled(out_row, col0 + c));
+        acc.x += x.x * weight[w], acc.y += x.y * weight[w], acc.z += x.z * weight[w], acc.w += x.w * weight[w];
+      }
+      o[c] = acc.x, o[c + 1] = acc.y, o[c + 2] = acc.z, o[c + 3] = acc.w;
+    }
+  };
+  // A split's part of this thread's row: normalised (0 without keys here), with its lse (-inf without keys here); a
+  // NaN row stays NaN.
+  const auto split_part = [&](float(&o)[kCols], float base, float sum) {
+    const bool sees_keys = sum > 0.f || sum != sum;
+    const float inv = sees_keys ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) o[c] *= inv;
+    return row_lse(sees_keys, base, sum);
+  };
+  // In turn: this thread's columns of the parts folded so far.
+  float* const fold_o = merge_sum + Traits::kNWarps * kRows + out_row * kHeadDim + col0;
+  if (in_turn) {
+#pragma unroll
+    for (int c = 0; c < kCols; c += 4) *reinterpret_cast<float4*>(fold_o + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  SplitFold fold{-CUDART_INF_F, 0.f};
+
   for (int block = b_begin; block < b_end; ++block) {
     const int i = block - b_begin;
     const int stage = i % kStages;
@@ -306,101 +385,81 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
       mma_16816<T>(acc_o[2 * dp], a, b[0], b[1]);
       mma_16816<T>(acc_o[2 * dp + 1], a, b[2], b[3]);
     }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the ring, which the merge reuses
-
-  // Merge the warps: their fp32 rows, maxima and sums through shared memory.
-  float* const merge_o = reinterpret_cast<float*>(sK);  // [warp][row][kMergeStride]
-  float* const merge_max = merge_o + Traits::kNWarps * kRows * Traits::kMergeStride;
-  float* const merge_sum = merge_max + Traits::kNWarps * kRows;
+    // In turn, at a split's end: merge the warps into a part and fold it in.
+    if (in_turn && ((block + 1) % per_split == 0 || block + 1 == b_end)) {
+      __syncthreads();  // every warp is done with this block's stage, which the merge borrows
+      float o[kCols], base, sum;
+      merge_warps(stage, o, base, sum);
+      const float lse = split_part(o, base, sum);
+      float alpha, beta;
+      if (fold_part(fold, lse, alpha, beta)) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = row_sum[h];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const int row = lane / 4 + 8 * h;
-    if (lane % 4 == 0) {
-      merge_max[warp * kRows + row] = row_max[h];
-      merge_sum[warp * kRows + row] = sum;
-    }
-    float* const dst = merge_o + (warp * kRows + row) * Traits::kMergeStride + 2 * (lane % 4);
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      *reinterpret_cast<float2*>(dst + 8 * dt) = make_float2(acc_o[dt][2 * h], acc_o[dt][2 * h + 1]);
+        for (int c = 0; c < kCols; c += 4) {
+          float4 acc = *reinterpret_cast<const float4*>(fold_o + c);
+          acc.x = fold_add(acc.x, alpha, o[c], beta);
+          acc.y = fold_add(acc.y, alpha, o[c + 1], beta);
+          acc.z = fold_add(acc.z, alpha, o[c + 2], beta);
+          acc.w = fold_add(acc.w, alpha, o[c + 3], beta);
+          *reinterpret_cast<float4*>(fold_o + c) = acc;
+        }
+      }
     }
   }
-  __syncthreads();
-
-  // Thread t finishes row t / 8, columns (t % 8) * kCols ..: kCols contiguous columns.
-  constexpr int kThreadsPerRow = Traits::kNThreads / kRows;
-  constexpr int kCols = kHeadDim / kThreadsPerRow;
-  static_assert(kCols % 8 == 0, "whole 16-byte chunks of the output row");
-  const int row = threadIdx.x / kThreadsPerRow;
-  const int col0 = (threadIdx.x % kThreadsPerRow) * kCols;
-  if (row0 + row >= group_rows) return;
-  float base = -CUDART_INF_F;
-#pragma unroll
-  for (int w = 0; w < Traits::kNWarps; ++w) base = fmaxf(base, merge_max[w * kRows + row]);
-  float weight[Traits::kNWarps];
-  float sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < Traits::kNWarps; ++w) {
-    weight[w] = base == -CUDART_INF_F ? 0.f : exp2f(merge_max[w * kRows + row] - base);
-    sum += merge_sum[w * kRows + row] * weight[w];
-  }
-  float o[kCols];
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) {
-    float acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < Traits::kNWarps; ++w) {
-      acc += merge_o[(w * kRows + row) * Traits::kMergeStride + col0 + c] * weight[w];
-    }
-    o[c] = acc;
-  }
-
-  const int head = head_of(row0 + row), query = query_of(row0 + row);
-  if (p.plan.splits == 1) {
-    // The whole row: out and lse, with the sink in the denominator.
-    const bool sees_keys = row_sees_band(query, shift, left, right, len_k);
-    float keep = 1.f;
-    const bool sink = p.options && p.sinks != nullptr;
-    if (sink) keep = add_sink(p.sinks[head], base, sum);
-    const float inv = sees_keys ? keep / sum : 0.f;  // a row without keys: out = 0
+  const int head = head_of(row0 + out_row), query = query_of(row0 + out_row);
+  const bool sink = p.options && p.sinks != nullptr;
+  // Writes this thread's columns of the output row, times `scale`, and (one thread a row) its lse.
+  const auto store_row = [&](const float(&o)[kCols], float scale, float row_lse_value) {
     T* const dst = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride +
                    static_cast<int64_t>(query) * p.o_row_stride + col0;
 #pragma unroll
     for (int c = 0; c < kCols; c += 8) {
       if (col0 + c < p.head_dim) {
         uint4 chunk;
-        chunk.x = pack2<T>(o[c] * inv, o[c + 1] * inv);
-        chunk.y = pack2<T>(o[c + 2] * inv, o[c + 3] * inv);
-        chunk.z = pack2<T>(o[c + 4] * inv, o[c + 5] * inv);
-        chunk.w = pack2<T>(o[c + 6] * inv, o[c + 7] * inv);
+        chunk.x = pack2<T>(o[c] * scale, o[c + 1] * scale);
+        chunk.y = pack2<T>(o[c + 2] * scale, o[c + 3] * scale);
+        chunk.z = pack2<T>(o[c + 4] * scale, o[c + 5] * scale);
+        chunk.w = pack2<T>(o[c + 6] * scale, o[c + 7] * scale);
         *reinterpret_cast<uint4*>(dst + c) = chunk;
       }
     }
-    if (col0 == 0) {
-      float* const lse = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query;
-      *lse = sink && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum);
-    }
-  } else {
-    // This split's part: the normalised row (0 without keys here) and its lse (-inf without keys); no sink.
-    const bool sees_keys = sum > 0.f || sum != sum;  // a NaN row stays NaN
-    const int64_t part =
-        decode_split_part(p, split, (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query);
-    const float inv = sees_keys ? 1.f / sum : 0.f;
-    float* const dst = p.split_out + part * kHeadDim + col0;
+    if (col0 == 0) p.lse[(static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query] = row_lse_value;
+  };
+  if (in_turn) {
+    cp_async_wait<0>();  // Q's copies are still in flight where the CTA had no block
+    if (row0 + out_row >= group_rows) return;
+    float o[kCols], lse;
 #pragma unroll
-    for (int c = 0; c < kCols; c += 4) {
-      *reinterpret_cast<float4*>(dst + c) = make_float4(o[c] * inv, o[c + 1] * inv, o[c + 2] * inv, o[c + 3] * inv);
-    }
-    if (col0 == 0) p.split_lse[part] = row_lse(sees_keys, base, sum);
+    for (int c = 0; c < kCols; ++c) o[c] = fold_o[c];
+    const float scale = fold_finish(fold, sink ? p.sinks[head] : -CUDART_INF_F, lse);
+    store_row(o, scale, lse);
+    return;
   }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring, whose stage 0 the merge borrows
+  float o[kCols], base, sum;
+  merge_warps(0, o, base, sum);
+  if (row0 + out_row >= group_rows) return;
+  if (p.plan.splits == 1) {
+    // The whole row: out and lse, with the sink in the denominator.
+    const bool sees_keys = row_sees_band(query, shift, left, right, len_k);
+    const float keep = sink ? add_sink(p.sinks[head], base, sum) : 1.f;
+    store_row(o, sees_keys ? keep / sum : 0.f,  // a row without keys: out = 0
+              sink && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum));
+    return;
+  }
+  // This split's part, for the combine.
+  const float lse = split_part(o, base, sum);
+  const int64_t part =
+      decode_split_part(p, blockIdx.x, (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query);
+  float* const dst = p.split_out + part * kHeadDim + col0;
+#pragma unroll
+  for (int c = 0; c < kCols; c += 4) {
+    *reinterpret_cast<float4*>(dst + c) = make_float4(o[c], o[c + 1], o[c + 2], o[c + 3]);
+  }
+  if (col0 == 0) p.split_lse[part] = lse;
 }
 
-// Launches the decode kernel (and, with several splits, the combine) on `stream`; returns the first CUDA error.
+// Launches the decode kernel (and, with a CTA per split, the combine) on `stream`; returns the first CUDA error.
 template <typename T, int HeadDim, bool kPaged>
 cudaError_t run_decode(const FwdParams& params, cudaStream_t stream) {
   using Traits = DecodeTraits<HeadDim>;
@@ -411,10 +470,11 @@ cudaError_t run_decode(const FwdParams& params, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   const int row_groups = decode_row_groups(params.heads_per_kv, params.len_q);
-  const dim3 grid(params.plan.splits, params.heads_kv * row_groups, params.batch);
+  const bool combine = params.plan.splits > 1 && !params.plan.splits_in_turn;
+  const dim3 grid(combine ? params.plan.splits : 1, params.heads_kv * row_groups, params.batch);
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
   cudaError_t err = cudaGetLastError();
-  if (err == cudaSuccess && params.plan.splits > 1) err = run_decode_combine<T>(params, HeadDim, stream);
+  if (err == cudaSuccess && combine) err = run_decode_combine<T>(params, HeadDim, stream);
   return err;
 }
 
