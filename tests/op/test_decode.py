@@ -92,11 +92,11 @@ def test_batch_invariance():
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(5, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
     seqlens = torch.tensor([4096, 100, 3000, 17, 2500], dtype=torch.int32, device="cuda")
-    full = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    full, full_lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True)
     for b in range(5):
-        alone = flashattn_ext.flash_attn_with_kvcache(q[b : b + 1], k_cache[b : b + 1], v_cache[b : b + 1],
-                                                      cache_seqlens=seqlens[b : b + 1])
-        assert torch.equal(alone, full[b : b + 1])
+        alone, alone_lse = flashattn_ext.flash_attn_with_kvcache(
+            q[b : b + 1], k_cache[b : b + 1], v_cache[b : b + 1], cache_seqlens=seqlens[b : b + 1], return_lse=True)
+        assert torch.equal(alone, full[b : b + 1]) and torch.equal(alone_lse, full_lse[b : b + 1])
 
 
 def test_nan_inputs_reach_their_rows_only():
