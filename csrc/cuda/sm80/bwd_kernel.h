@@ -46,14 +46,6 @@ struct BwdTraits {
   static_assert(kBlockM == kBwdBlockM, "the host sizes the dQ semaphores by kBwdBlockM");
 };
 
-// The first key block that sees query block m_start / kBlockM (the visiting key blocks are consecutive from there; the
-// kernel's own bounds below make this one visit it whenever any does).
-template <typename Traits>
-__device__ __forceinline__ int first_key_block_of(int m_start, int causal_shift, int left) {
-  const int first_key = m_start + causal_shift - left;
-  return left < 0 || first_key <= 0 ? 0 : first_key / Traits::kBlockN;
-}
-
 // A query block's semaphore: dense (B, H, ceil(Lq / kBlockM)); packed (H, packed_slots(total_q, B, kBlockM)).
 template <typename Traits>
 __device__ __forceinline__ int64_t dq_semaphore_index_of(const BwdParams& p, bool packed, int batch, int head,
@@ -293,7 +285,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
       if (ordered_dq) {
         semaphore = p.dq_semaphore + dq_semaphore_index_of<Traits>(p, packed, batch, head, dq_block0 + m_block);
         if (threadIdx.x == 0) {
-          const int turn = n_block - first_key_block_of<Traits>(m_start, causal_shift, left);
+          const int turn = n_block - first_key_block(m_start, causal_shift, left, Traits::kBlockN);
           while (ld_acquire_gpu(semaphore) != turn) {
           }
         }

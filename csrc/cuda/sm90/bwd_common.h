@@ -123,8 +123,7 @@ struct KeyBlock {
   // are consecutive from the first whose last key reaches m's first query's left edge (the m_end rule), ascending.
   __device__ int dq_turn(int m_block, const BwdParams& p) const {
     if constexpr (kSequences) {
-      const int first_key = m_block * Traits::kBlockM + (seq_len_k - seq_len_q) - left(p);
-      return n_block - (left(p) < 0 || first_key <= 0 ? 0 : first_key / Traits::kBlockN);
+      return n_block - first_key_block(m_block * Traits::kBlockM, seq_len_k - seq_len_q, left(p), Traits::kBlockN);
     }
     if (!kCausal) return n_block;
     const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q);
