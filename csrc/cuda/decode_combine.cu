@@ -108,10 +108,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
     const float2 f = factors[i];
     const float4 o = parts[taken[i] * chunks + chunk];
     fold.sum = fmaf(fold.sum, f.x, f.y);
-    acc.x = fold_add(acc.x, f.x, o.x, f.y);
-    acc.y = fold_add(acc.y, f.x, o.y, f.y);
-    acc.z = fold_add(acc.z, f.x, o.z, f.y);
-    acc.w = fold_add(acc.w, f.x, o.w, f.y);
+    acc = fold_add(acc, f.x, o, f.y);
   }
   const int query = static_cast<int>(row % p.len_q);
   const int head = static_cast<int>(row / p.len_q % p.heads);

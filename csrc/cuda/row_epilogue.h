@@ -75,6 +75,10 @@ __device__ __forceinline__ bool fold_part(SplitFold& f, float lse, float& alpha,
 __device__ __forceinline__ float fold_add(float acc, float alpha, float part, float beta) {
   return fmaf(part, beta, acc * alpha);
 }
+__device__ __forceinline__ float4 fold_add(float4 acc, float alpha, float4 part, float beta) {
+  return make_float4(fold_add(acc.x, alpha, part.x, beta), fold_add(acc.y, alpha, part.y, beta),
+                     fold_add(acc.z, alpha, part.z, beta), fold_add(acc.w, alpha, part.w, beta));
+}
 
 // The folded row's end: the sink (natural-log logit; -inf or none: no sink) joins the denominator. Returns the factor
 // of the accumulator (0 for a row without keys or sink) and sets lse (-inf without keys or sink, NaN for a NaN row).

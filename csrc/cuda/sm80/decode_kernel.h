@@ -395,12 +395,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
       if (fold_part(fold, lse, alpha, beta)) {
 #pragma unroll
         for (int c = 0; c < kCols; c += 4) {
-          float4 acc = *reinterpret_cast<const float4*>(fold_o + c);
-          acc.x = fold_add(acc.x, alpha, o[c], beta);
-          acc.y = fold_add(acc.y, alpha, o[c + 1], beta);
-          acc.z = fold_add(acc.z, alpha, o[c + 2], beta);
-          acc.w = fold_add(acc.w, alpha, o[c + 3], beta);
-          *reinterpret_cast<float4*>(fold_o + c) = acc;
+          float4* const acc = reinterpret_cast<float4*>(fold_o + c);
+          *acc = fold_add(*acc, alpha, make_float4(o[c], o[c + 1], o[c + 2], o[c + 3]), beta);
         }
       }
     }
