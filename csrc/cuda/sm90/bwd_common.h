@@ -144,20 +144,31 @@ struct KeyBlock {
   }
 };
 
-// P^T = exp2(S^T * scale_log2 - lse_log2) for this thread's two keys (key0, key0 + 8) and the step's kBlockM queries
-// (lse_log2 by query column), then 0 for queries past Lq, keys past Lk and (causal) key > query + causal_shift; only
-// blocks at an edge test them, in a branch that interior blocks skip.
+// A step's per-query statistic (lse or delta, in shared memory by query) at this thread's accumulator columns
+// 8 j + 2 (lane % 4) + {0, 1}: kBlockM / 8 pairs in registers, one 8-byte load each.
+template <int kBlockM>
+struct ColumnPairs {
+  float2 pairs[kBlockM / 8];
+
+  __device__ void load(const float* values, int lane) {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) pairs[j] = reinterpret_cast<const float2*>(values)[4 * j + lane % 4];
+  }
+  // The value of accumulator entry 4 j + i (column 8 j + 2 (lane % 4) + i % 2).
+  __device__ float at(int j, int i) const { return i % 2 ? pairs[j].y : pairs[j].x; }
+};
+
+// P^T = exp2(S^T * scale_log2 - lse_log2) for this thread's two keys (key0, key0 + 8) and the step's kBlockM queries,
+// then 0 for queries past Lq, keys past Lk and (causal) key > query + causal_shift; only blocks at an edge test them,
+// in a branch that interior blocks skip.
 template <bool kCausal, int kBlockM, int kBlockN>
-__device__ __forceinline__ void masked_probabilities(float (&s)[kBlockM / 2], const float* lse_log2, float scale_log2,
-                                                     int len_q, int len_k, int m_start, int n_start, int causal_shift,
-                                                     int key0, int lane) {
+__device__ __forceinline__ void masked_probabilities(float (&s)[kBlockM / 2], const ColumnPairs<kBlockM>& lse_log2,
+                                                     float scale_log2, int len_q, int len_k, int m_start, int n_start,
+                                                     int causal_shift, int key0, int lane) {
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int col = 8 * j + 2 * (lane % 4) + i % 2;
-      s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], scale_log2, -lse_log2[col]));
-    }
+    for (int i = 0; i < 4; ++i) s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], scale_log2, -lse_log2.at(j, i)));
   }
   if (m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
       (kCausal && n_start + kBlockN - 1 > m_start + causal_shift)) {

@@ -217,8 +217,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const uint32_t parity = (step / kStages) & 1;
     // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read at n.
     const int buffer = step % 2;
-    const float* const lse_log2 = smem.lse_log2 + (2 * buffer + consumer) * kBlockM;
-    const float* const delta = smem.delta + (2 * buffer + consumer) * kBlockM;
+    // The step's lse in registers before its GEMMs: read after them, the loads wait behind the GEMMs' operands.
+    ColumnPairs<kBlockM> lse_log2, delta;
+    lse_log2.load(smem.lse_log2 + (2 * buffer + consumer) * kBlockM, lane);
     if (step + 1 < num_steps) load_stats(step + 1);  // in flight during this step
 
     float s[kBlockM / 2], dp[kBlockM / 2];
@@ -244,6 +245,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
         wgmma_wait<1>();
         wgmma_fence_registers(s);
+        delta.load(smem.delta + (2 * buffer + consumer) * kBlockM, lane);
         const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
         __half2 t[kBlockM / 4];
 #pragma unroll
@@ -255,7 +257,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int c = 0; c < 2; ++c) {
               const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
               pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
-              s[4 * j + i] = needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(pair[c], cap_log2, -lse_log2[col]));
+              s[4 * j + i] =
+                  needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(pair[c], cap_log2, -lse_log2.at(j, i)));
             }
             t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
           }
@@ -269,9 +272,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             const float2 pair = __half22float2(t[2 * j + h]);
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
+              const int i = 2 * h + c;
               const float x = c == 0 ? pair.x : pair.y;
-              dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]) * (1.f - x * x);  // dS^T
+              dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i)) * (1.f - x * x);  // dS^T
             }
           }
         }
@@ -279,13 +282,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // P^T while dP^T is still running.
         wgmma_wait<1>();
         wgmma_fence_registers(s);
+        delta.load(smem.delta + (2 * buffer + consumer) * kBlockM, lane);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2[col]));
-          }
+          for (int i = 0; i < 4; ++i) s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2.at(j, i)));
         }
         if (needs_mask) {
 #pragma unroll
@@ -302,16 +303,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
-          }
+          for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
         }
       }
     } else {  // as the options branch without softcap, with the causal mask alone
       // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
       wgmma_wait<1>();
       wgmma_fence_registers(s);
+      delta.load(smem.delta + (2 * buffer + consumer) * kBlockM, lane);
       masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, block.len_q(p), block.len_k(p),
                                                       m_start, n_start, causal_shift, key0, lane);
 
@@ -320,10 +319,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int col = 8 * j + 2 * (lane % 4) + i % 2;
-          dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta[col]);  // dS^T
-        }
+        for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
       }
     }
 

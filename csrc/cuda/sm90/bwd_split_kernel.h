@@ -245,7 +245,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
         store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
       } else {
-        masked_probabilities<kCausal, kBlockM, kBlockN>(acc, smem.lse_log2, p.scale_log2, block.len_q(p),
+        ColumnPairs<kBlockM> lse_log2;
+        lse_log2.load(smem.lse_log2, lane);
+        masked_probabilities<kCausal, kBlockM, kBlockN>(acc, lse_log2, p.scale_log2, block.len_q(p),
                                                         block.len_k(p), m_start, n_start, causal_shift, key0, lane);
         store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
 #pragma unroll
