@@ -218,8 +218,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read at n.
     const int buffer = step % 2;
     // The step's lse in registers before its GEMMs: read after them, the loads wait behind the GEMMs' operands.
+    // delta once S^T has ended.
+    const int stats_offset = (2 * buffer + consumer) * kBlockM;
     ColumnPairs<kBlockM> lse_log2, delta;
-    lse_log2.load(smem.lse_log2 + (2 * buffer + consumer) * kBlockM, lane);
+    lse_log2.load(smem.lse_log2 + stats_offset, lane);
     if (step + 1 < num_steps) load_stats(step + 1);  // in flight during this step
 
     float s[kBlockM / 2], dp[kBlockM / 2];
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
         wgmma_wait<1>();
         wgmma_fence_registers(s);
-        delta.load(smem.delta + (2 * buffer + consumer) * kBlockM, lane);
+        delta.load(smem.delta + stats_offset, lane);
         const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
         __half2 t[kBlockM / 4];
 #pragma unroll
@@ -282,7 +284,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // P^T while dP^T is still running.
         wgmma_wait<1>();
         wgmma_fence_registers(s);
-        delta.load(smem.delta + (2 * buffer + consumer) * kBlockM, lane);
+        delta.load(smem.delta + stats_offset, lane);
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
       wgmma_wait<1>();
       wgmma_fence_registers(s);
-      delta.load(smem.delta + (2 * buffer + consumer) * kBlockM, lane);
+      delta.load(smem.delta + stats_offset, lane);
       masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, block.len_q(p), block.len_k(p),
                                                       m_start, n_start, causal_shift, key0, lane);
 
