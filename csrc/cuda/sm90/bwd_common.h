@@ -16,19 +16,21 @@
 
 namespace flashattn::sm90 {
 
-// The wgmma accumulator of 64 x kBlockM (rows = this thread's keys, columns = queries) into kBlockM / 64 tiles of
-// [64][64] in the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), 4-byte stores of column pairs.
-template <typename T, int kBlockM>
-__device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[kBlockM / 2], int warp, int lane) {
+// The wgmma accumulator of 64 x kBlockM (rows = this thread's keys, columns = queries, or head-dim columns) into
+// kBlockM / 64 sub-tiles of 64 columns, kSubTileStride elements apart, in the 128-byte swizzle (16-byte chunk c of row
+// r at c ^ (r % 8)), times `scale`, 4-byte stores of column pairs.
+template <typename T, int kBlockM, int kSubTileStride = 64 * 64>
+__device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[kBlockM / 2], int warp, int lane,
+                                                    float scale = 1.f) {
   static_assert(kBlockM % 64 == 0, "whole 128-byte swizzle rows");
 #pragma unroll
   for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = 16 * warp + lane / 4 + 8 * h;  // columns 8 j + 2 (lane % 4): chunk j % 8 of sub-tile j / 8
-      T* const sub_tile = tile + (j / 8) * 64 * 64;
+      T* const sub_tile = tile + (j / 8) * kSubTileStride;
       *reinterpret_cast<uint32_t*>(sub_tile + row * 64 + (((j % 8) ^ (row % 8)) * 8) + 2 * (lane % 4)) =
-          pack2<T>(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          pack2<T>(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
     }
   }
 }
@@ -199,25 +201,24 @@ struct RowStats {
   __device__ float delta_or_zero() const { return lse != -INFINITY ? delta : 0.f; }
 };
 
-// Epilogue of both kernels: kCols columns (from column0) of dK (times scale) and dV for this thread's two key rows,
-// 4-byte stores (rows past Lk, columns past D skipped). dk and dv are contiguous (KeyBlock::kv_row).
-template <typename T, int kCols, typename Block>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& block, int key0, int column0, int lane,
-                                            const float (&dk)[kCols / 2], const float (&dv)[kCols / 2]) {
+// kBlockN key rows of kHeadDim columns, staged in shared memory as the K tile is ([kHeadDim / 64][kBlockN][64], 128-byte
+// swizzle), to dk or dv (`dst`, rows at KeyBlock::kv_row): 16 bytes a thread, consecutive threads along a row, so
+// that each store instruction writes whole 128-byte lines; rows past Lk and columns past the head dim are skipped.
+// Thread `thread` of kThreads.
+template <typename T, int kHeadDim, int kBlockN, int kThreads, typename Block>
+__device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& block, const T* tile, void* dst,
+                                               int thread) {
+  constexpr int kChunks = kHeadDim / 8;  // per row
+  static_assert(kBlockN * kChunks % kThreads == 0, "whole rounds of chunks");
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = key0 + 8 * h;
-    if (key >= block.len_k(p)) continue;
-    T* const dk_row = static_cast<T*>(p.dk) + block.kv_row(key, p) * p.head_dim;
-    T* const dv_row = static_cast<T*>(p.dv) + block.kv_row(key, p) * p.head_dim;
-#pragma unroll
-    for (int j = 0; j < kCols / 8; ++j) {
-      const int col = column0 + 8 * j + 2 * (lane % 4);
-      if (col < p.head_dim) {
-        *reinterpret_cast<uint32_t*>(dk_row + col) =
-            pack2<T>(dk[4 * j + 2 * h] * p.scale, dk[4 * j + 2 * h + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dv_row + col) = pack2<T>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
-      }
+  for (int round = 0; round < kBlockN * kChunks / kThreads; ++round) {
+    const int index = thread + round * kThreads;
+    const int row = index / kChunks, chunk = index % kChunks;
+    const int key = block.n_start + row;
+    if (key < block.len_k(p) && chunk * 8 < p.head_dim) {
+      const uint4 value = *reinterpret_cast<const uint4*>(tile + (chunk / 8) * kBlockN * 64 + row * 64 +
+                                                          ((chunk % 8) ^ (row % 8)) * 8);
+      *reinterpret_cast<uint4*>(static_cast<T*>(dst) + block.kv_row(key, p) * p.head_dim + chunk * 8) = value;
     }
   }
 }

@@ -166,7 +166,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp = thread / 32;
   const int lane = thread % 32;
   const int key0 = n_start + 16 * warp + lane / 4;  // + 8 for the thread's second row
-  const int column0 = kHalf * consumer;
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
 
   float dk[kHalf / 2], dv[kHalf / 2];
@@ -314,7 +313,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   if (num_steps > 0) store_dq_tile(dq_late);
-  store_dk_dv<T, kHalf>(p, block, key0, column0, lane, dk, dv);  // this warpgroup's half of the columns
+  // dK (times scale) and dV leave through the K and V tiles as bwd_kernel.h's do, each warpgroup staging its half of
+  // the columns.
+  named_barrier_sync(BwdSplitBarrier::kStepStart, 256);  // both warpgroups' GEMMs on K and V have ended
+  store_swizzled_tile<T, kHalf, Traits::kSubTileKV>(smem.k + 2 * consumer * Traits::kSubTileKV, dk, warp, lane,
+                                                    p.scale);
+  store_swizzled_tile<T, kHalf, Traits::kSubTileKV>(smem.v + 2 * consumer * Traits::kSubTileKV, dv, warp, lane);
+  named_barrier_sync(BwdSplitBarrier::kStepStart, 256);
+  store_key_rows<T, Traits::kHeadDim, kBlockN, 256>(p, block, smem.k, p.dk, threadIdx.x - 128);
+  store_key_rows<T, Traits::kHeadDim, kBlockN, 256>(p, block, smem.v, p.dv, threadIdx.x - 128);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
