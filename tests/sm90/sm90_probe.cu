@@ -10,6 +10,8 @@
 //                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
 //                (A TMA store at a negative row fails with a CUDA error on the H200, so the forward
 //                skips those O boxes.)
+//   key_rows_probe: the backward's dK / dV epilogue: accumulators staged in a K-tile-shaped swizzled buffer, then
+//                16-byte rows to global memory (store_key_rows), rows past Lk and columns past the head dim skipped.
 //   merge_split_tile_probe: the stream-K merge of a tile split between two CTAs (fwd_epilogue.h, merge_split_tile) for
 //                one warp's rows at D128, with the part holding the tile's first key blocks taking the lock first or
 //                second: the merged result must be the same bit for bit.
@@ -381,6 +383,55 @@ torch::Tensor warpgroup_all_probe(torch::Tensor values) {
   return out;
 }
 
+// The backward's dK / dV epilogue (bwd_common.h): two warpgroups' accumulators, each entry values[row][column], into a
+// K-tile-shaped swizzled buffer (store_swizzled_tile, times scale), then store_key_rows into out's rows n_start ..
+// (rows past len_k and columns past head_dim left alone). kSplitColumns (the D256 kernel): warpgroup c holds all 64
+// rows and columns 128 c ..; otherwise rows 64 c .. and all columns.
+struct ProbeKeyBlock {
+  int n_start, len;
+  __device__ int len_k(const flashattn::BwdParams&) const { return len; }
+  __device__ int64_t kv_row(int key, const flashattn::BwdParams&) const { return key; }
+};
+
+template <int kHeadDim, int kBlockN, bool kSplitColumns>
+__global__ void __launch_bounds__(256) key_rows_probe_kernel(const float* values, float scale, int n_start, int len_k,
+                                                             int head_dim, T* out) {
+  __shared__ __align__(1024) T tile[kBlockN * kHeadDim];
+  constexpr int kCols = kSplitColumns ? kHeadDim / 2 : kHeadDim;
+  const int consumer = threadIdx.x / 128, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int row0 = kSplitColumns ? 0 : 64 * consumer, col0 = kSplitColumns ? kCols * consumer : 0;
+  float acc[kCols / 2];
+  for (int j = 0; j < kCols / 8; ++j) {
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + 16 * warp + lane / 4 + 8 * (i / 2), col = col0 + 8 * j + 2 * (lane % 4) + i % 2;
+      acc[4 * j + i] = values[row * kHeadDim + col];
+    }
+  }
+  flashattn::sm90::store_swizzled_tile<T, kCols, kBlockN * 64>(tile + (col0 / 64) * kBlockN * 64 + row0 * 64, acc,
+                                                                warp, lane, scale);
+  __syncthreads();
+  flashattn::BwdParams p{};
+  p.head_dim = head_dim;
+  flashattn::sm90::store_key_rows<T, kHeadDim, kBlockN, 256>(p, ProbeKeyBlock{n_start, len_k}, tile, out,
+                                                             threadIdx.x);
+}
+
+// values: (block_n, bucket) float32; out: (rows, head_dim) bf16, contiguous, written in place.
+void key_rows_probe(torch::Tensor values, double scale, int64_t n_start, int64_t len_k, int64_t head_dim,
+                    int64_t bucket, torch::Tensor out) {
+  const auto args = [&](auto kernel) {
+    kernel<<<1, 256>>>(values.data_ptr<float>(), static_cast<float>(scale), static_cast<int>(n_start),
+                       static_cast<int>(len_k), static_cast<int>(head_dim), reinterpret_cast<T*>(out.data_ptr()));
+  };
+  switch (bucket) {
+    case 64: args(key_rows_probe_kernel<64, 128, false>); break;
+    case 128: args(key_rows_probe_kernel<128, 128, false>); break;
+    case 256: args(key_rows_probe_kernel<256, 64, true>); break;
+    default: TORCH_CHECK(false, "key_rows_probe: bucket 64, 128 or 256");
+  }
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "key_rows_probe launch failed");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -391,4 +442,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tma_negative_rows_probe", &tma_negative_rows_probe);
   m.def("merge_split_tile_probe", &merge_split_tile_probe);
   m.def("warpgroup_all_probe", &warpgroup_all_probe);
+  m.def("key_rows_probe", &key_rows_probe);
 }

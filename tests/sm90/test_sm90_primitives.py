@@ -139,6 +139,24 @@ def test_threads_store_a_swizzled_tile_that_wgmma_reads_as_a(probe):
 
 @pytest.mark.cuda
 @needs_hopper
+@pytest.mark.parametrize(
+    "bucket,head_dim,keys", [(64, 64, 128), (64, 40, 97), (128, 128, 128), (128, 96, 1), (256, 256, 64), (256, 200, 33)]
+)
+def test_backward_key_rows_leave_through_a_swizzled_tile(probe, bucket, head_dim, keys):
+    # The second key block of a kernel (128 keys, or 64 at D256), `keys` of them below Lk: its dK rows (times 0.5)
+    # staged as the K tile and stored; rows past Lk and columns past the head dim keep the poison.
+    block_n = 64 if bucket == 256 else 128
+    values = torch.randint(-100, 100, (block_n, bucket), device="cuda").float()
+    out = torch.full((2 * block_n, head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
+    probe.key_rows_probe(values, 0.5, block_n, block_n + keys, head_dim, bucket, out)
+    expected = torch.full_like(out, float("nan"))
+    expected[block_n:block_n + keys] = (values[:keys, :head_dim] * 0.5).to(torch.bfloat16)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.cuda
+@needs_hopper
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
