@@ -166,7 +166,7 @@ def test_splits_in_turn_give_the_same_bits():
     # The two ways of running the splits fold the same parts in the same order: one process each (the switch is read
     # once), the same inputs.
     cases = splits_cases()
-    runs = {mode: run_isolated({"FLASHATTN_DECODE_SPLITS": mode}, "kernels.schedule_runs", "kvcache_each", cases)
+    runs = {mode: run_isolated({"FLASHATTN_DECODE_SPLITS": mode}, "cuda_kernels.schedule_runs", "kvcache_each", cases)
             for mode in ("ctas", "in-turn")}
     (ctas, ctas_kernels), (in_turn, in_turn_kernels) = runs["ctas"], runs["in-turn"]
     assert any("decode_combine" in name for name in ctas_kernels)

@@ -278,7 +278,7 @@ def test_fwd_batch_invariant(device, dtype, causal):
         if not causal and stream_k_would_split(batch, device):
             # The test can fail: the batch-dependent split (forced, in a process of its own) does change that
             # sequence's bits.
-            [(split_out, _, _)] = run_isolated({"FLASHATTN_FWD_SCHEDULE": "stream-k"}, "kernels.schedule_runs",
+            [(split_out, _, _)] = run_isolated({"FLASHATTN_FWD_SCHEDULE": "stream-k"}, "cuda_kernels.schedule_runs",
                                                "forward_each", [(q, k, v, False, None)])
             assert not torch.equal(split_out[-1:], out[-1:])
 

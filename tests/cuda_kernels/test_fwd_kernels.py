@@ -9,7 +9,7 @@ import torch
 import flashattn_ext  # noqa: F401  (registers torch.ops.flashattn)
 from cases import causal_block_m, causal_zigzag_grid, stream_k_tiles
 from isolated import run_isolated
-from kernels.schedule_runs import forward_each
+from cuda_kernels.schedule_runs import forward_each
 from reference import (
     assert_attention_close,
     assert_error_within,
@@ -285,8 +285,8 @@ def stream_k_runs():
     keys = list(inputs)
     runs = {"auto": forward_each([inputs[key] for key in keys])}
     for schedule in ("stream-k", "whole-tiles"):
-        runs[schedule] = run_isolated({"FLASHATTN_FWD_SCHEDULE": schedule}, "kernels.schedule_runs", "forward_each",
-                                      [inputs[key] for key in keys])
+        runs[schedule] = run_isolated({"FLASHATTN_FWD_SCHEDULE": schedule}, "cuda_kernels.schedule_runs",
+                                      "forward_each", [inputs[key] for key in keys])
     return {key: (inputs[key], {name: results[i] for name, results in runs.items()}) for i, key in enumerate(keys)}
 
 
@@ -338,7 +338,7 @@ def causal_runs():
             inputs[name, head_dim] = (*qkv, True, None)
     keys = list(inputs)
     auto = forward_each([inputs[key] for key in keys])
-    counter = run_isolated({"FLASHATTN_FWD_SCHEDULE": "counter"}, "kernels.schedule_runs", "forward_each",
+    counter = run_isolated({"FLASHATTN_FWD_SCHEDULE": "counter"}, "cuda_kernels.schedule_runs", "forward_each",
                            [inputs[key] for key in keys])
     return {key: (inputs[key], auto[i], counter[i]) for i, key in enumerate(keys)}
 
@@ -367,7 +367,7 @@ def test_cuda_causal_schedules_agree(causal_runs, case, head_dim):
 def test_cuda_bad_schedule_switch():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "cuda")
     with pytest.raises(RuntimeError, match="FLASHATTN_FWD_SCHEDULE must be one of auto, counter, whole-tiles"):
-        run_isolated({"FLASHATTN_FWD_SCHEDULE": "static"}, "kernels.schedule_runs", "forward_each",
+        run_isolated({"FLASHATTN_FWD_SCHEDULE": "static"}, "cuda_kernels.schedule_runs", "forward_each",
                      [(q, k, v, True, None)])
 
 
