@@ -201,10 +201,10 @@ struct RowStats {
   __device__ float delta_or_zero() const { return lse != -INFINITY ? delta : 0.f; }
 };
 
-// kBlockN key rows of kHeadDim columns, staged in shared memory as the K tile is ([kHeadDim / 64][kBlockN][64], 128-byte
-// swizzle), to dk or dv (`dst`, rows at KeyBlock::kv_row): 16 bytes a thread, consecutive threads along a row, so
-// that each store instruction writes whole 128-byte lines; rows past Lk and columns past the head dim are skipped.
-// Thread `thread` of kThreads.
+// kBlockN key rows of kHeadDim columns, staged in shared memory as the K tile is ([kHeadDim / 64][kBlockN][64],
+// 128-byte swizzle), to dk or dv (`dst`, rows at KeyBlock::kv_row): 16 bytes a thread, consecutive threads along a
+// row, so that each store instruction writes whole 128-byte lines; rows past Lk and columns past the head dim are
+// skipped. Thread `thread` of kThreads.
 template <typename T, int kHeadDim, int kBlockN, int kThreads, typename Block>
 __device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& block, const T* tile, void* dst,
                                                int thread) {
@@ -221,6 +221,21 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& 
       *reinterpret_cast<uint4*>(static_cast<T*>(dst) + block.kv_row(key, p) * p.head_dim + chunk * 8) = value;
     }
   }
+}
+
+// Epilogue of both kernels: this warpgroup's dK (times scale) and dV, kCols columns of 64 rows, leave through the K and
+// V tiles (free once both consumer warpgroups' GEMMs have ended: `barrier`, 256 threads), staged at `offset` elements
+// into each, then as whole lines (store_key_rows) by both warpgroups.
+template <typename T, typename Traits, int kCols, typename Block, typename Storage>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& block, const Storage& smem, int offset,
+                                            int barrier, const float (&dk)[kCols / 2], const float (&dv)[kCols / 2],
+                                            int warp, int lane) {
+  named_barrier_sync(barrier, 256);
+  store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.k + offset, dk, warp, lane, p.scale);
+  store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.v + offset, dv, warp, lane);
+  named_barrier_sync(barrier, 256);
+  store_key_rows<T, Traits::kHeadDim, Traits::kBlockN, 256>(p, block, smem.k, p.dk, threadIdx.x - 128);
+  store_key_rows<T, Traits::kHeadDim, Traits::kBlockN, 256>(p, block, smem.v, p.dv, threadIdx.x - 128);
 }
 
 // The first 64 columns of a 64-row fp32 accumulator (kRegs registers, 32 of them) into two [64 rows][32 columns]

@@ -380,14 +380,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.q_empty[stage]);
   }
 
-  // dK (times scale) and dV leave through the K and V tiles, free once both consumers' GEMMs have ended, as whole
-  // 128-byte lines (ncu: 4-byte stores from the accumulators took about 3.5 steps' time per CTA).
-  named_barrier_sync(BwdBarrier::kDsStored, 256);
-  store_swizzled_tile<T, kHeadDim, Traits::kSubTileKV>(smem.k + consumer * 64 * 64, dk, warp, lane, p.scale);
-  store_swizzled_tile<T, kHeadDim, Traits::kSubTileKV>(smem.v + consumer * 64 * 64, dv, warp, lane);
-  named_barrier_sync(BwdBarrier::kDsStored, 256);
-  store_key_rows<T, kHeadDim, kBlockN, 256>(p, block, smem.k, p.dk, threadIdx.x - 128);
-  store_key_rows<T, kHeadDim, kBlockN, 256>(p, block, smem.v, p.dv, threadIdx.x - 128);
+  // This warpgroup's 64 rows of every column block (ncu: 4-byte stores straight from the accumulators took about 3.5
+  // steps' time per CTA).
+  store_dk_dv<T, Traits, kHeadDim>(p, block, smem, consumer * 64 * 64, BwdBarrier::kDsStored, dk, dv, warp, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 

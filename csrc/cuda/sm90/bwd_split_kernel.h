@@ -313,15 +313,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 
   if (num_steps > 0) store_dq_tile(dq_late);
-  // dK (times scale) and dV leave through the K and V tiles as bwd_kernel.h's do, each warpgroup staging its half of
-  // the columns.
-  named_barrier_sync(BwdSplitBarrier::kStepStart, 256);  // both warpgroups' GEMMs on K and V have ended
-  store_swizzled_tile<T, kHalf, Traits::kSubTileKV>(smem.k + 2 * consumer * Traits::kSubTileKV, dk, warp, lane,
-                                                    p.scale);
-  store_swizzled_tile<T, kHalf, Traits::kSubTileKV>(smem.v + 2 * consumer * Traits::kSubTileKV, dv, warp, lane);
-  named_barrier_sync(BwdSplitBarrier::kStepStart, 256);
-  store_key_rows<T, Traits::kHeadDim, kBlockN, 256>(p, block, smem.k, p.dk, threadIdx.x - 128);
-  store_key_rows<T, Traits::kHeadDim, kBlockN, 256>(p, block, smem.v, p.dv, threadIdx.x - 128);
+  // This warpgroup's half of the columns (column blocks 2 c and 2 c + 1), all 64 rows.
+  store_dk_dv<T, Traits, kHalf>(p, block, smem, 2 * consumer * Traits::kSubTileKV, BwdSplitBarrier::kStepStart, dk, dv,
+                                warp, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
