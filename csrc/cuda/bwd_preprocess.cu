@@ -1,5 +1,6 @@
 // The backward's preprocessing, one pass over the query rows for every fused backward (sm80 and Hopper):
-// delta_i = rowsum(dO * O)_i - dlse_i, and row i of dq_accum zeroed for the kernels' additions.
+// delta_i = rowsum(dO * O)_i - dlse_i, and row i of dq_accum zeroed for the kernels' additions (block 0 also zeroes
+// the Hopper kernel's tile counter).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,6 +20,7 @@ constexpr int kThreads = 256;
 template <typename T2>
 __global__ void __launch_bounds__(kThreads) bwd_preprocess_kernel(const __grid_constant__ BwdPreprocessParams p,
                                                                   int lanes) {
+  if (p.tile_counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *p.tile_counter = 0;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / lanes) + threadIdx.x / lanes;
   const int lane = threadIdx.x % lanes;
   const bool in_range = row < static_cast<int64_t>(p.batch) * p.heads * p.len_q;
@@ -57,7 +59,9 @@ cudaError_t run_bwd_preprocess(const BwdPreprocessParams& params, bool is_bf16, 
   int lanes = 8;
   while (lanes < 32 && lanes * 8 < params.head_dim) lanes *= 2;
   const int64_t rows = static_cast<int64_t>(params.batch) * params.heads * params.len_q;
-  if (rows == 0) return cudaSuccess;
+  if (rows == 0) {
+    return params.tile_counter != nullptr ? cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream) : cudaSuccess;
+  }
   const int64_t rows_per_block = kThreads / lanes;
   const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
   if (is_bf16) {

@@ -316,6 +316,14 @@ BwdParams make_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at:
   return p;
 }
 
+// The persistent Hopper backward's tile counter (zeroed by the preprocess pass, or undefined) and grid bound: the SM
+// count, or FLASHATTN_BWD_CTAS.
+void set_bwd_schedule(BwdParams& params, const at::Tensor& tile_counter) {
+  params.tile_counter = tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr;
+  const int ctas = switches().bwd_ctas;
+  params.max_ctas = ctas > 0 ? ctas : at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
 // Which backward runs a call, decided once: the fused Hopper kernel where it can take the inputs, else the fused sm80
 // kernel up to its largest bucket (its options variant for windows and softcap), else the chunked backward (cuBLAS,
 // float32).
@@ -372,9 +380,11 @@ at::Tensor sink_grads(const at::Tensor& dout, const at::Tensor& out, const at::T
 }
 
 // delta = rowsum(dO * O) - dlse and dq_accum zeroed, in one pass: dout and out as (B, H, L, D) views (rows 16-byte
-// aligned), dlse and delta (B, H, L) and dq_accum (B, H, L, D) contiguous.
+// aligned), dlse and delta (B, H, L) and dq_accum (B, H, L, D) contiguous; tile_counter (one int32, or undefined)
+// zeroed as well.
 void launch_bwd_preprocess(const at::Tensor& dout, const at::Tensor& out, const std::optional<at::Tensor>& dlse,
-                           const at::Tensor& delta, const at::Tensor& dq_accum, const char* op) {
+                           const at::Tensor& delta, const at::Tensor& dq_accum, const at::Tensor& tile_counter,
+                           const char* op) {
   BwdPreprocessParams p{};
   p.dout = dout.data_ptr(), p.out = out.data_ptr();
   p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
@@ -382,6 +392,7 @@ void launch_bwd_preprocess(const at::Tensor& dout, const at::Tensor& out, const 
   p.dlse = dlse.has_value() ? dlse->data_ptr<float>() : nullptr;
   p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
+  p.tile_counter = tile_counter.defined() ? tile_counter.data_ptr<int>() : nullptr;
   p.batch = static_cast<int>(dout.size(0)), p.heads = static_cast<int>(dout.size(1));
   p.len_q = static_cast<int>(dout.size(2)), p.head_dim = static_cast<int>(dout.size(3));
   const cudaError_t err =
@@ -466,12 +477,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   at::Tensor dv = at::empty(v.sizes(), v.options());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  launch_bwd_preprocess(dout_rows, out_rows, dlse_rows, delta, dq_accum, "flashattn.bwd");
+  const at::Tensor tile_counter = path == BwdPath::kSm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
+  launch_bwd_preprocess(dout_rows, out_rows, dlse_rows, delta, dq_accum, tile_counter, "flashattn.bwd");
 
   params.lse = lse_rows.data_ptr<float>();
   params.delta = delta.data_ptr<float>();
   params.dq_accum = dq_accum.data_ptr<float>();
   params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
+  set_bwd_schedule(params, tile_counter);
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
   const cudaError_t err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal,
@@ -647,7 +660,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 
   // The (H, total_q) rows as one batch of total_q rows.
   const auto as_one_batch = [](const at::Tensor& rows) { return rows.permute({1, 0, 2}).unsqueeze(0); };
-  launch_bwd_preprocess(as_one_batch(dout_rows), as_one_batch(out_rows), dlse_rows, delta, dq_accum, op);
+  const at::Tensor tile_counter = wants_sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
+  launch_bwd_preprocess(as_one_batch(dout_rows), as_one_batch(out_rows), dlse_rows, delta, dq_accum, tile_counter, op);
 
   BwdParams p{};
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.dout = dout_rows.data_ptr();
@@ -664,6 +678,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.dq_accum = dq_accum.data_ptr<float>();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
+  set_bwd_schedule(p, tile_counter);
   // The Hopper sequences kernel where TMA can describe the packed tensors as one batch entry of all rows, with room
   // for each sequence's maps; else the portable one.
   BwdParams all_rows = p;

@@ -150,6 +150,10 @@ struct BwdParams {
   // Deterministic dQ: int32 counts of the key blocks added into each dQ tile so far, zero on entry (Hopper kernel,
   // D <= 128: (B, H, query blocks, 2 tiles); the sm80 sequences variant: launchers.h); null: add in any order.
   int* __restrict__ dq_semaphore;
+  // The persistent Hopper kernel (D <= 128): an int32 zero on entry from which its CTAs take key blocks, and its grid
+  // bound (the SM count).
+  int* tile_counter;
+  int max_ctas;
 
   void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
   void* __restrict__ dv;
@@ -171,7 +175,8 @@ struct BwdParams {
   void* seq_maps;
 };
 
-// The backward's preprocessing over the query rows (B, H, Lq): delta = rowsum(dO * O) - dlse, and dq_accum zeroed.
+// The backward's preprocessing over the query rows (B, H, Lq): delta = rowsum(dO * O) - dlse, and dq_accum (and the
+// Hopper kernel's tile counter) zeroed.
 struct BwdPreprocessParams {
   const void* __restrict__ dout;
   const void* __restrict__ out;
@@ -180,6 +185,7 @@ struct BwdPreprocessParams {
   const float* __restrict__ dlse;  // (B, H, Lq) contiguous, or null
   float* __restrict__ delta;       // (B, H, Lq) contiguous
   float* __restrict__ dq_accum;    // (B, H, Lq, D) contiguous, or null
+  int* tile_counter;               // zeroed too, or null (BwdParams::tile_counter)
   int batch, heads, len_q, head_dim;
 };
 

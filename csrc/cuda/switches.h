@@ -29,6 +29,9 @@ struct Switches {
   bool decode = true;            // FLASHATTN_DECODE=0: short queries run the forward kernels, not the decode path
   FwdScheduleChoice fwd_schedule = FwdScheduleChoice::kAuto;
   DecodeSplits decode_splits = DecodeSplits::kAuto;
+  // FLASHATTN_BWD_CTAS, for tests: the persistent Hopper backward's grid (0, default: the SM count); a small grid makes
+  // every CTA run many key blocks.
+  int bwd_ctas = 0;
 };
 
 namespace detail {
@@ -51,6 +54,17 @@ inline Sm90Use sm90_use(const char* name) {
   return value == "0" ? Sm90Use::kOff : value == "1" ? Sm90Use::kOn : Sm90Use::kStrict;
 }
 
+// A count from 1 to `most`, or 0 where the variable is not set (or empty); anything else raises.
+inline int read_count_switch(const char* name, int most) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && value >= 1 && value <= most, name, " must be a count from 1 to ", most, "; got '", env,
+              "'");
+  return static_cast<int>(value);
+}
+
 inline Switches read_switches() {
   Switches s;
   s.fwd_sm90 = sm90_use("FLASHATTN_FWD_SM90");
@@ -58,6 +72,7 @@ inline Switches read_switches() {
   s.chunked_bwd = read_switch("FLASHATTN_CUDA_BWD", {"fused", "chunked"}, "fused") == "chunked";
   s.batch_invariant = read_switch("FLASHATTN_BATCH_INVARIANT", {"0", "1"}, "1") == "1";
   s.decode = read_switch("FLASHATTN_DECODE", {"0", "1"}, "1") == "1";
+  s.bwd_ctas = read_count_switch("FLASHATTN_BWD_CTAS", 1 << 16);
   const std::string schedule =
       read_switch("FLASHATTN_FWD_SCHEDULE", {"auto", "counter", "whole-tiles", "stream-k"}, "auto");
   s.fwd_schedule = schedule == "counter"       ? FwdScheduleChoice::kCounter

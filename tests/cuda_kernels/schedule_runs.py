@@ -1,4 +1,5 @@
-"""Forward calls for the schedule tests, run in a process of their own where a switch must differ (isolated.py)."""
+"""Forward and backward calls for the schedule tests, run in a process of their own where a switch must differ
+(isolated.py)."""
 import torch
 
 import flashattn_ext
@@ -22,3 +23,8 @@ def kvcache_each(cases):
             results.append(flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True, **kwargs))
         torch.cuda.synchronize()
     return results, sorted({event.name for event in prof.events()})
+
+
+def backward_each(cases):
+    """cases: [(name of a torch.ops.flashattn backward, args, kwargs)] -> [(dq, dk, dv)]."""
+    return [getattr(torch.ops.flashattn, op)(*args, **kwargs)[:3] for op, args, kwargs in cases]

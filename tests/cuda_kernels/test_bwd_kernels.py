@@ -55,3 +55,64 @@ def test_cuda_grads_match_cpu_head_dims(head_dim):
     for name, grad, ref, low in zip(("dq", "dk", "dv"), grads, cpu_grads, low_precision):
         floor = GRAD_FLOOR[dtype] * max(1.0, ref.abs().max().item())
         assert_error_within(grad.cpu(), ref, [low.cpu()], None, f"CUDA {name} vs CPU float32", floor=floor)
+
+
+# ---- the persistent Hopper backward --------------------------------------------------------------------------------
+# At D <= 128 a grid of at most one CTA per SM takes key blocks in turn; FLASHATTN_BWD_CTAS=3 makes every CTA run many
+# blocks in a row (blocks without steps among them), which the default grid does only on large shapes.
+
+
+def small_grid_cases():
+    """[(op, args, kwargs, ordered)]: dense (MHA, GQA, Lq < Lk and Lq > Lk, a band that leaves key blocks without
+    queries) and packed sequences (idle slots, empty sequences), D64 and D128, bf16 and fp16; ordered: a
+    deterministic dQ."""
+    from op.test_varlen import MIXED, packed_inputs
+
+    cases = []
+    dense = [  # (head_dim, dtype, (B, H, Hk, Lq, Lk), kwargs, deterministic)
+        (64, torch.bfloat16, (2, 8, 2, 700, 700), dict(causal=True), True),
+        (128, torch.bfloat16, (1, 4, 4, 300, 1000), dict(), True),
+        (128, torch.float16, (1, 4, 2, 200, 1100), dict(causal=True), True),
+        (128, torch.bfloat16, (2, 2, 1, 1000, 260), dict(causal=True), False),
+        (128, torch.bfloat16, (1, 4, 2, 100, 1000), dict(causal=True, window_size=(32, 0)), False),
+        (64, torch.bfloat16, (1, 4, 4, 513, 513), dict(window_size=(-1, 16)), False),
+    ]
+    for head_dim, dtype, (batch, heads, heads_kv, len_q, len_k), kwargs, deterministic in dense:
+        q, k, v = make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, dtype, "cuda")
+        out, lse = fwd(q, k, v, **kwargs)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        cases.append(("bwd", (dout, q, k, v, out, lse), dict(kwargs, dlse=dlse, deterministic=deterministic),
+                      deterministic))
+    packed = [(128, dict(causal=True), True), (64, dict(causal=True, window_size=(31, 0)), False)]
+    for head_dim, kwargs, deterministic in packed:
+        q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, head_dim, torch.bfloat16, "cuda")
+        out, lse = torch.ops.flashattn.fwd_varlen(q, k, v, cu_q, cu_k, **kwargs)
+        cases.append(("bwd_varlen", (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k),
+                      dict(kwargs, deterministic=deterministic), deterministic))
+    return cases
+
+
+@pytest.mark.cuda
+def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
+    # Ordered, the dQ additions keep their order whichever CTA takes a block: the same bits as the default grid; else
+    # dK and dV (one writer each, steps in a fixed order) the same bits and dQ close. The dense cases also against the
+    # reference.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward's schedule")
+    from isolated import run_isolated
+    from reference import assert_grads_close
+
+    cases = small_grid_cases()
+    runs = {ctas: run_isolated(dict({"FLASHATTN_BWD_SM90": "strict"}, **({"FLASHATTN_BWD_CTAS": ctas} if ctas else {})),
+                               "cuda_kernels.schedule_runs", "backward_each", [c[:3] for c in cases])
+            for ctas in ("", "3")}
+    for (op, args, kwargs, ordered), default, small in zip(cases, runs[""], runs["3"]):
+        for name, a, b in zip(("dq", "dk", "dv"), default, small):
+            if ordered or name != "dq":
+                assert torch.equal(a, b), f"{op} {kwargs}: {name} differs on the small grid"
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+        if op == "bwd":
+            dout, q, k, v = args[:4]
+            mods = {key: kwargs[key] for key in ("causal", "window_size") if key in kwargs}
+            assert_grads_close(small, q, k, v, dout, kwargs["dlse"], **mods)

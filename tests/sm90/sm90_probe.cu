@@ -10,7 +10,7 @@
 //                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
 //                (A TMA store at a negative row fails with a CUDA error on the H200, so the forward
 //                skips those O boxes.)
-//   key_rows_probe: the backward's dK / dV epilogue: accumulators staged in a K-tile-shaped swizzled buffer, then
+//   key_rows_probe: the backward's dK / dV epilogue: accumulators staged in swizzled 64-column sub-tiles, then
 //                16-byte rows to global memory (store_key_rows), rows past Lk and columns past the head dim skipped.
 //   merge_split_tile_probe: the stream-K merge of a tile split between two CTAs (fwd_epilogue.h, merge_split_tile) for
 //                one warp's rows at D128, with the part holding the tile's first key blocks taking the lock first or
@@ -383,10 +383,11 @@ torch::Tensor warpgroup_all_probe(torch::Tensor values) {
   return out;
 }
 
-// The backward's dK / dV epilogue (bwd_common.h): two warpgroups' accumulators, each entry values[row][column], into a
-// K-tile-shaped swizzled buffer (store_swizzled_tile, times scale), then store_key_rows into out's rows n_start ..
+// The backward's dK / dV epilogue (bwd_common.h): two warpgroups' accumulators, each entry values[row][column], into
+// swizzled 64-column sub-tiles (store_swizzled_tile, times scale), then store_key_rows into out's rows n_start ..
 // (rows past len_k and columns past head_dim left alone). kSplitColumns (the D256 kernel): warpgroup c holds all 64
-// rows and columns 128 c ..; otherwise rows 64 c .. and all columns.
+// rows and columns 128 c .., staged as the K tile is, stored by both warpgroups; otherwise rows 64 c .. and all
+// columns, staged and stored by each warpgroup alone, its sub-tile b at (2 b + c) * 64 * 64 (as dV is at D128).
 struct ProbeKeyBlock {
   int n_start, len;
   __device__ int len_k(const flashattn::BwdParams&) const { return len; }
@@ -407,13 +408,21 @@ __global__ void __launch_bounds__(256) key_rows_probe_kernel(const float* values
       acc[4 * j + i] = values[row * kHeadDim + col];
     }
   }
-  flashattn::sm90::store_swizzled_tile<T, kCols, kBlockN * 64>(tile + (col0 / 64) * kBlockN * 64 + row0 * 64, acc,
-                                                                warp, lane, scale);
-  __syncthreads();
   flashattn::BwdParams p{};
   p.head_dim = head_dim;
-  flashattn::sm90::store_key_rows<T, kHeadDim, kBlockN, 256>(p, ProbeKeyBlock{n_start, len_k}, tile, out,
-                                                             threadIdx.x);
+  const ProbeKeyBlock block{n_start, len_k};
+  if constexpr (kSplitColumns) {
+    flashattn::sm90::store_swizzled_tile<T, kCols, kBlockN * 64>(tile + (col0 / 64) * kBlockN * 64, acc, warp, lane,
+                                                                  scale);
+    __syncthreads();
+    flashattn::sm90::store_key_rows<T, kHeadDim, kBlockN, 256, kBlockN * 64>(p, block, tile, out, 0, threadIdx.x);
+  } else {
+    constexpr int kStride = 2 * 64 * 64;
+    T* const own = tile + consumer * 64 * 64;
+    flashattn::sm90::store_swizzled_tile<T, kCols, kStride>(own, acc, warp, lane, scale);
+    __syncthreads();
+    flashattn::sm90::store_key_rows<T, kHeadDim, 64, 128, kStride>(p, block, own, out, row0, threadIdx.x % 128);
+  }
 }
 
 // values: (block_n, bucket) float32; out: (rows, head_dim) bf16, contiguous, written in place.

@@ -35,14 +35,15 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
   }
 }
 
-// The CTA's block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Key blocks are numbered
-// fastest, so under a causal mask (within a kv head) the blocks that see the most queries go first; with an ordered
-// dQ (p.dq_semaphore) the causal order turns round (the shortest first), matching the order of the dQ additions.
+// A block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Blocks start in index order (a
+// CTA each, or taken in turn from BwdTileScheduler), key blocks numbered fastest, so under a causal mask (within a kv
+// head) the blocks that see the most queries go first; with an ordered dQ (p.dq_semaphore) the causal order turns
+// round (the shortest first), matching the order of the dQ additions.
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
 // query blocks on both sides; never with an ordered dQ but packed. kSequences: packed sequences, CTA = a slot of
 // packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA goes through the
 // sequence's own maps (sequences.h) at batch coordinate 0. Ordered, a sequence's key blocks add in ascending order
-// (their launch order) into semaphores over packed.h's query slots, unless the host flagged cu_seqlens that break
+// (their start order) into semaphores over packed.h's query slots, unless the host flagged cu_seqlens that break
 // their rules (the int after the semaphores), where a turn could go unreached: dQ then adds in any order.
 template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>
 struct KeyBlock {
@@ -52,12 +53,17 @@ struct KeyBlock {
   int q_slot0 = 0;  // packed, ordered: the sequence's first query block in packed.h's slots
   bool ordered;     // dQ added in a fixed order (p.dq_semaphore)
 
-  __device__ KeyBlock(const BwdParams& p) {
+  // Key blocks are numbered 0 .. num_blocks(p) - 1 (a grid of one CTA each, or the tiles of BwdTileScheduler).
+  __device__ static int num_blocks(const BwdParams& p) {
+    if constexpr (kSequences) return packed_slots(p.len_k, p.batch, Traits::kBlockN) * p.heads_kv;
+    return (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN * p.heads_kv * p.batch;
+  }
+  __device__ KeyBlock(const BwdParams& p, int index) {
     if constexpr (kSequences) {
       const int slots = packed_slots(p.len_k, p.batch, Traits::kBlockN);
       const PackedBlock b = find_packed_block(p.cu_seqlens_k, p.len_k, p.cu_seqlens_q, p.len_q, p.batch,
-                                              Traits::kBlockN, static_cast<int>(blockIdx.x % slots));
-      kv_head = blockIdx.x / slots;
+                                              Traits::kBlockN, index % slots);
+      kv_head = index / slots;
       batch = b.batch;
       n_block = b.block;
       k_offset = b.row, seq_len_k = b.len, q_offset = b.other_row, seq_len_q = b.other_len;
@@ -66,10 +72,10 @@ struct KeyBlock {
     } else {
       ordered = p.dq_semaphore != nullptr;
       const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-      n_block = static_cast<int>(blockIdx.x % num_n_blocks);
+      n_block = index % num_n_blocks;
       if (kCausal && p.dq_semaphore != nullptr) n_block = num_n_blocks - 1 - n_block;
-      kv_head = (blockIdx.x / num_n_blocks) % p.heads_kv;
-      batch = blockIdx.x / num_n_blocks / p.heads_kv;
+      kv_head = (index / num_n_blocks) % p.heads_kv;
+      batch = index / num_n_blocks / p.heads_kv;
     }
     n_start = n_block * Traits::kBlockN;
     num_m_blocks = (len_q(p) + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -201,41 +207,26 @@ struct RowStats {
   __device__ float delta_or_zero() const { return lse != -INFINITY ? delta : 0.f; }
 };
 
-// kBlockN key rows of kHeadDim columns, staged in shared memory as the K tile is ([kHeadDim / 64][kBlockN][64],
-// 128-byte swizzle), to dk or dv (`dst`, rows at KeyBlock::kv_row): 16 bytes a thread, consecutive threads along a
-// row, so that each store instruction writes whole 128-byte lines; rows past Lk and columns past the head dim are
-// skipped. Thread `thread` of kThreads.
-template <typename T, int kHeadDim, int kBlockN, int kThreads, typename Block>
+// kRows key rows (the block's keys first_row ..) of kHeadDim columns, staged in shared memory as 64-column sub-tiles
+// kSubTileStride elements apart ([kRows][64] each, 128-byte swizzle), to dk or dv (`dst`, rows at KeyBlock::kv_row):
+// 16 bytes a thread, consecutive threads along a row, so that each store instruction writes whole 128-byte lines; rows
+// past Lk and columns past the head dim are skipped. Thread `thread` of kThreads.
+template <typename T, int kHeadDim, int kRows, int kThreads, int kSubTileStride, typename Block>
 __device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& block, const T* tile, void* dst,
-                                               int thread) {
+                                               int first_row, int thread) {
   constexpr int kChunks = kHeadDim / 8;  // per row
-  static_assert(kBlockN * kChunks % kThreads == 0, "whole rounds of chunks");
+  static_assert(kRows * kChunks % kThreads == 0, "whole rounds of chunks");
 #pragma unroll
-  for (int round = 0; round < kBlockN * kChunks / kThreads; ++round) {
+  for (int round = 0; round < kRows * kChunks / kThreads; ++round) {
     const int index = thread + round * kThreads;
     const int row = index / kChunks, chunk = index % kChunks;
-    const int key = block.n_start + row;
+    const int key = block.n_start + first_row + row;
     if (key < block.len_k(p) && chunk * 8 < p.head_dim) {
-      const uint4 value = *reinterpret_cast<const uint4*>(tile + (chunk / 8) * kBlockN * 64 + row * 64 +
+      const uint4 value = *reinterpret_cast<const uint4*>(tile + (chunk / 8) * kSubTileStride + row * 64 +
                                                           ((chunk % 8) ^ (row % 8)) * 8);
       *reinterpret_cast<uint4*>(static_cast<T*>(dst) + block.kv_row(key, p) * p.head_dim + chunk * 8) = value;
     }
   }
-}
-
-// Epilogue of both kernels: this warpgroup's dK (times scale) and dV, kCols columns of 64 rows, leave through the K and
-// V tiles (free once both consumer warpgroups' GEMMs have ended: `barrier`, 256 threads), staged at `offset` elements
-// into each, then as whole lines (store_key_rows) by both warpgroups.
-template <typename T, typename Traits, int kCols, typename Block, typename Storage>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& block, const Storage& smem, int offset,
-                                            int barrier, const float (&dk)[kCols / 2], const float (&dv)[kCols / 2],
-                                            int warp, int lane) {
-  named_barrier_sync(barrier, 256);
-  store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.k + offset, dk, warp, lane, p.scale);
-  store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.v + offset, dv, warp, lane);
-  named_barrier_sync(barrier, 256);
-  store_key_rows<T, Traits::kHeadDim, Traits::kBlockN, 256>(p, block, smem.k, p.dk, threadIdx.x - 128);
-  store_key_rows<T, Traits::kHeadDim, Traits::kBlockN, 256>(p, block, smem.v, p.dv, threadIdx.x - 128);
 }
 
 // The first 64 columns of a 64-row fp32 accumulator (kRegs registers, 32 of them) into two [64 rows][32 columns]
@@ -263,22 +254,22 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
   }
 }
 
-// A dQ writer warp (warp 1 + c of the producer warpgroup, for consumer c): per step and part (Traits::kDqParts), the
-// consumer's fp32 dQ tile of 64x64 from shared memory into dq_accum (one TMA reduce-add of two [64 rows][32 columns]
-// boxes, one bulk group), then the tile back to the consumer once read. Ordered (a semaphore per dQ tile), lane 0
-// first waits until the key blocks before this one have added the tile, and counts its own addition once written;
-// the consumer has its tile back before that, so only the writer waits for its turn, and neither consumer's turn
-// holds up the other's tiles (one warp for both ran the deterministic D256 kernel at 0.68x of a warp each).
+// A dQ writer warp (warp 1 + c of the producer warpgroup, for consumer c), for one key block: per step and part
+// (Traits::kDqParts), the consumer's fp32 dQ tile of 64x64 from shared memory into dq_accum (one TMA reduce-add of
+// two [64 rows][32 columns] boxes, one bulk group), then the tile back to the consumer once read (dq_empty after every
+// tile: the consumer waits for it before writing any tile but a key block's first, and before its epilogue). Ordered
+// (a semaphore per dQ tile), lane 0 first waits until the key blocks before this one have added the tile, and counts
+// its own addition once written; the consumer has its tile back before that, so only the writer waits for its turn,
+// and neither consumer's turn holds up the other's tiles (one warp for both ran the deterministic D256 kernel at 0.68x
+// of a warp each). The caller waits for the last reductions (bulk_wait_group) before the CTA's shared memory goes.
 template <typename Traits, typename Storage, typename Block>
 __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
                                               const Block& block, int c, int lane) {
   const int num_steps = block.num_steps(p);
-  if (num_steps == 0) return;
   const bool ordered = block.ordered;
   const float* const tile = smem.dq + c * Traits::kTileDQ;
   const CUtensorMap* const map = block.map(&dq_map, kBwdSeqMapDq, p);
-  if (Block::kPacked && lane == 0) fence_tensormap_acquire(map);  // written on the device before the launch
-  named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
+  if (Block::kPacked && lane == 0 && num_steps > 0) fence_tensormap_acquire(map);  // written on the device
   for (int step = 0; step < num_steps; ++step) {
     const int head = block.head(step, p);
     const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
@@ -300,9 +291,7 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
         bulk_wait_group_read<0>();
       }
       __syncwarp();
-      if (step + 1 < num_steps || part + 1 < Traits::kDqParts) {
-        named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
-      }
+      named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
       if (ordered && lane == 0) {
         bulk_wait_group<0>();
         fence_proxy_async_global();
@@ -310,15 +299,15 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
       }
     }
   }
-  if (lane == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
 }
 
-// Thread 0 initialises the pipeline's mbarriers: K/V once; per Q and per dO buffer, "full" (TMA bytes landed) and
-// "empty" (every consumer thread arrives once its GEMMs on the buffer ended).
+// Thread 0 initialises the pipeline's mbarriers: per K/V tile, and per Q and per dO buffer, "full" (TMA bytes landed)
+// and "empty" (every consumer thread arrives once its GEMMs on the buffer ended).
 template <typename Traits, typename Storage>
 __device__ __forceinline__ void init_bwd_barriers(const Storage& smem) {
   if (threadIdx.x != 0) return;
   mbarrier_init(smem.kv_full, 1);
+  mbarrier_init(smem.kv_empty, 2 * 128);
   for (int s = 0; s < Traits::kStages; ++s) {
     mbarrier_init(&smem.q_full[s], 1);
     mbarrier_init(&smem.q_empty[s], 2 * 128);
@@ -330,13 +319,16 @@ __device__ __forceinline__ void init_bwd_barriers(const Storage& smem) {
   fence_barrier_init();
 }
 
-// The producer thread: K and V once (always: the consumers always wait for them, so no copy is in flight when the
-// CTA exits), then Q and dO of every query head of the kv head's group and every query block that sees the keys,
-// through rings of kStages (Q) and kStagesDo (dO) buffers. The consumers walk the same sequence.
+// The producer thread, for the CTA's key block number `iter` (0 ..), whose steps follow `first_step` earlier ones
+// through the rings: Q and dO of every query head of the kv head's group and every query block that sees the keys,
+// through rings of kStages (Q) and kStagesDo (dO) buffers, and K and V after the first step's (once the consumers are
+// done with the last block's, kv_empty; always, even for a block without steps: the consumers always wait for them,
+// so no copy is in flight when the CTA exits). The consumers walk the same sequence.
 template <typename T, typename Traits, typename Block, typename Storage>
 __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUtensorMap& q_map,
                                                  const CUtensorMap& k_map, const CUtensorMap& v_map,
-                                                 const CUtensorMap& do_map, const BwdParams& p, const Block& block) {
+                                                 const CUtensorMap& do_map, const BwdParams& p, const Block& block,
+                                                 int first_step, int iter) {
   const CUtensorMap* const q_tile_map = block.map(&q_map, kBwdSeqMapQ, p);
   const CUtensorMap* const k_tile_map = block.map(&k_map, kBwdSeqMapK, p);
   const CUtensorMap* const v_tile_map = block.map(&v_map, kBwdSeqMapV, p);
@@ -348,14 +340,18 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
     fence_tensormap_acquire(v_tile_map);
     fence_tensormap_acquire(do_tile_map);
   }
-  mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
-  for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-    tma_load_4d(smem.k + c * Traits::kSubTileKV, k_tile_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
-                batch);
-    tma_load_4d(smem.v + c * Traits::kSubTileKV, v_tile_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
-                batch);
-  }
-  int step = 0;
+  const auto load_kv = [&] {
+    if (iter > 0) mbarrier_wait(smem.kv_empty, (iter - 1) & 1);
+    mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kTileKV * sizeof(T));
+    for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+      tma_load_4d(smem.k + c * Traits::kSubTileKV, k_tile_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
+                  batch);
+      tma_load_4d(smem.v + c * Traits::kSubTileKV, v_tile_map, smem.kv_full, 64 * c, block.n_start, block.kv_head,
+                  batch);
+    }
+  };
+  if (block.num_steps(p) == 0) load_kv();
+  int step = first_step;
   for (int g = 0; g < p.heads_per_kv; ++g) {
     const int head = block.kv_head * p.heads_per_kv + g;
 #pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
@@ -375,9 +371,48 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
         tma_load_4d(smem.dout_stage(do_stage) + c * Traits::kSubTileQ, do_tile_map, &smem.do_full[do_stage], 64 * c,
                     m_start, head, batch);
       }
+      if (step == first_step) load_kv();  // the first step's Q and dO may load while the last block ends
     }
   }
 }
+
+// The Hopper backward's persistent schedule: a grid of at most one CTA per SM takes key blocks (KeyBlock's numbering)
+// one at a time from p.tile_counter (zeroed by the preprocess pass), so that blocks start in index order as a grid of
+// a CTA per block would start them: an ordered dQ's turns wait only for blocks that have started. The producer thread
+// takes the next block while it loads this one and publishes it in a two-slot mailbox (num_blocks: done), which the
+// consumers and the dQ writers read.
+struct BwdTileScheduler {
+  static constexpr int kReaders = 2 * 128 + 2 * 32;  // the consumer warpgroups and the dQ writer warps
+  int* slots;       // [2]
+  uint64_t* full;   // [2]
+  uint64_t* empty;  // [2]
+
+  template <typename Storage>
+  __device__ explicit BwdTileScheduler(const Storage& smem)
+      : slots(smem.block_slots), full(smem.block_full), empty(smem.block_empty) {}
+  __device__ void init() const {  // thread 0, before the CTA's first barrier
+    for (int slot = 0; slot < 2; ++slot) {
+      mbarrier_init(&full[slot], 1);
+      mbarrier_init(&empty[slot], kReaders);
+    }
+  }
+  __device__ static int take(const BwdParams& p) { return atomicAdd(p.tile_counter, 1); }
+  // The producer: the CTA's key block number `iter` (0 ..).
+  __device__ void publish(int iter, int index) const {
+    const int slot = iter % 2;
+    if (iter >= 2) mbarrier_wait(&empty[slot], ((iter - 2) / 2) & 1);
+    slots[slot] = index;
+    mbarrier_arrive(&full[slot]);
+  }
+  // Every reader thread, for each iter in turn until it reads num_blocks or more.
+  __device__ int read(int iter) const {
+    const int slot = iter % 2;
+    mbarrier_wait(&full[slot], (iter / 2) & 1);
+    const int index = __shfl_sync(0xffffffffu, slots[slot], 0);
+    mbarrier_arrive(&empty[slot]);
+    return index;
+  }
+};
 
 // acc (64 rows x kBlockM columns) = A B^T over the head dim, A = 64 rows of a key tile (K or V), B = a query-block tile
 // (Q or dO); both K-major, walked like the forward's S = Q K^T (k16 steps of 32 bytes, then the next sub-tile).

@@ -2,9 +2,11 @@
 // params and the passes before and after (bwd_preprocess.cu: delta, dq_accum zeroed; bwd_postprocess.cu: dQ) with
 // the sm80 kernel (sm80/bwd_kernel.h).
 //
-// CTA = one block of kBlockN = 128 keys of one (batch, kv head); 3 warpgroups. Warpgroup 0 is the producer: one
-// thread loads K and V once and then, for every query head of the kv head's group and every query block that sees
-// these keys, Q and dO blocks of kBlockM rows into a 2-stage ring (TMA, 128-byte swizzle, zero fill past L and D).
+// Persistent: a grid of at most one CTA per SM takes blocks of kBlockN = 128 keys of one (batch, kv head) in turn
+// (BwdTileScheduler); 3 warpgroups. Warpgroup 0 is the producer: one thread loads, for every query head of the kv
+// head's group and every query block that sees the block's keys, Q and dO blocks of kBlockM rows into 2-stage rings
+// that run on from block to block, and K and V once the first step's are on their way (TMA, 128-byte swizzle, zero
+// fill past L and D).
 // Warpgroups 1 and 2 each own 64 of the keys and work in the transposed frame, keys as the M dimension, so that
 // P^T and dS^T come out of the accumulators in the layout of a register A operand:
 //
@@ -21,7 +23,8 @@
 // for its turn before each addition and counts it done once written, so the key blocks add into each dQ tile in a
 // fixed order (KeyBlock::dq_turn) while the consumers go on. lse and delta of the next step are loaded from global
 // memory a step ahead, out of the critical path. dK (times scale) and dV are complete in registers at the end (one
-// writer per element) and leave through the K and V tiles' shared memory in whole 128-byte lines.
+// writer per element) and leave through the warpgroup's dQ and dS^T tiles in whole 128-byte lines while the next
+// block's K and V load (they were the CTA's last cost outside the steps, with the wait for the first K and V).
 //
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
 // softcap it forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t
@@ -31,6 +34,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -102,10 +106,14 @@ struct BwdSharedStorage {
   float* lse_log2;  // [2 buffers][2 consumers][kBlockM]
   float* delta;     // [2 buffers][2 consumers][kBlockM]
   uint64_t* kv_full;
+  uint64_t* kv_empty;
   uint64_t* q_full;  // [kStages]
   uint64_t* do_full;
   uint64_t* q_empty;
   uint64_t* do_empty;
+  uint64_t* block_full;  // [2] BwdTileScheduler's mailbox
+  uint64_t* block_empty;
+  int* block_slots;
 
   __device__ explicit BwdSharedStorage(unsigned char* raw) {
     dq = reinterpret_cast<float*>(align_smem<1024>(raw));
@@ -117,10 +125,14 @@ struct BwdSharedStorage {
     lse_log2 = reinterpret_cast<float*>(ds + 2 * 2 * Traits::kTileDS);
     delta = lse_log2 + 2 * 2 * Traits::kBlockM;
     kv_full = reinterpret_cast<uint64_t*>(delta + 2 * 2 * Traits::kBlockM);
-    q_full = kv_full + 1;
+    kv_empty = kv_full + 1;
+    q_full = kv_empty + 1;
     do_full = q_full + Traits::kStages;
     q_empty = do_full + Traits::kStages;
     do_empty = q_empty + Traits::kStages;
+    block_full = do_empty + Traits::kStages;
+    block_empty = block_full + 2;
+    block_slots = reinterpret_cast<int*>(block_empty + 2);
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* dout_stage(int stage) const { return dout + stage * Traits::kTileQ; }
@@ -151,22 +163,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kStages = Traits::kStages;
 
   using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
-  const Block block(p);
-  const int n_start = block.n_start;
-  const int causal_shift = block.len_k(p) - block.len_q(p);
+  const int num_blocks = Block::num_blocks(p);
 
   extern __shared__ unsigned char smem_raw[];
   const BwdSharedStorage<T, Traits> smem(smem_raw);
+  const BwdTileScheduler scheduler(smem);
   init_bwd_barriers<Traits>(smem);
+  if (threadIdx.x == 0) scheduler.init();
   __syncthreads();
 
   // Warp-uniform (a shuffle from lane 0), so that the tile addresses derived from it live in uniform registers.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
     const int warp = threadIdx.x / 32;
-    if (warp == 1 || warp == 2) run_dq_writer<Traits>(smem, dq_map, p, block, warp - 1, threadIdx.x % 32);
+    if (threadIdx.x == 0) {
+      int index = BwdTileScheduler::take(p);
+      for (int iter = 0, first_step = 0;; ++iter) {
+        scheduler.publish(iter, index);
+        if (index >= num_blocks) break;
+        const int next = BwdTileScheduler::take(p);  // in flight while this block's loads go out
+        const Block block(p, index);
+        run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block, first_step, iter);
+        first_step += block.num_steps(p);
+        index = next;
+      }
+    } else if (warp == 1 || warp == 2) {
+      for (int iter = 0;; ++iter) {
+        const int index = scheduler.read(iter);
+        if (index >= num_blocks) break;
+        run_dq_writer<Traits>(smem, dq_map, p, Block(p, index), warp - 1, threadIdx.x % 32);
+      }
+      if (threadIdx.x % 32 == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
+    }
     return;
   }
 
@@ -176,7 +205,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int thread = threadIdx.x % 128;
   const int warp = thread / 32;
   const int lane = thread % 32;
-  const int key0 = n_start + 64 * consumer + 16 * warp + lane / 4;  // + 8 for the thread's second row
   const T* const k_rows = smem.k + consumer * 64 * 64;  // this warpgroup's 64 rows inside each sub-tile
   const T* const v_rows = smem.v + consumer * 64 * 64;
   // This warpgroup's dQ tile of every step: a 64-query sub-tile and a 64-column block.
@@ -190,203 +218,236 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int stats_row = thread % kBlockM;
   const bool stages_lse = kBlockM == 128 || thread < kBlockM;
   const bool stages_delta = kBlockM == 128 || thread >= kBlockM;
-  const int num_steps = block.num_steps(p);
-  RowStats stats;  // loaded a step ahead
-  const auto load_stats = [&](int step) {
-    stats.load(p, block.row_base(step, p), block.m_start(step) + stats_row, block.len_q(p), stages_delta);
+  RowStats stats;  // loaded a step ahead, the first step's during the key block before
+  const auto load_stats = [&](const Block& b, int step) {
+    stats.load(p, b.row_base(step, p), b.m_start(step) + stats_row, b.len_q(p), stages_delta);
   };
   const auto store_stats = [&](int buffer) {
     const int offset = (2 * buffer + consumer) * kBlockM + stats_row;
     if (stages_lse) smem.lse_log2[offset] = stats.lse_log2();
     if (stages_delta) smem.delta[offset] = stats.delta_or_zero();
   };
-  if (!kOptions || num_steps > 0) {  // a band can leave a key block without query blocks
-    load_stats(0);
-    store_stats(0);
-  }
-  named_barrier_sync(BwdBarrier::kDsStored, 256);  // publishes step 0's statistics
 
-  float dk[kHeadDim / 2], dv[kHeadDim / 2];
-#pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+  int index = scheduler.read(0);
+  if (index >= num_blocks) return;
+  Block block(p, index);
+  if (block.num_steps(p) > 0) load_stats(block, 0);  // a band or an idle slot can leave a key block without steps
+  for (int iter = 0, first_step = 0;; ++iter) {
+    const int n_start = block.n_start;
+    const int causal_shift = block.len_k(p) - block.len_q(p);
+    const int key0 = n_start + 64 * consumer + 16 * warp + lane / 4;  // + 8 for the thread's second row
+    const int num_steps = block.num_steps(p);
+    if (num_steps > 0) store_stats(0);
+    // Publishes step 0's statistics; ends the last block's epilogue reads of this warpgroup's dQ and dS^T tiles.
+    named_barrier_sync(BwdBarrier::kDsStored, 256);
 
-  mbarrier_wait(smem.kv_full, 0);
-  for (int step = 0; step < num_steps; ++step) {
-    const int m_start = block.m_start(step);
-    const int stage = step % kStages;
-    const uint32_t parity = (step / kStages) & 1;
-    // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read at n.
-    const int buffer = step % 2;
-    // The step's lse in registers before its GEMMs: read after them, the loads wait behind the GEMMs' operands.
-    // delta once S^T has ended.
-    const int stats_offset = (2 * buffer + consumer) * kBlockM;
-    ColumnPairs<kBlockM> lse_log2, delta;
-    lse_log2.load(smem.lse_log2 + stats_offset, lane);
-    if (step + 1 < num_steps) load_stats(step + 1);  // in flight during this step
+    float dk[kHeadDim / 2], dv[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-    float s[kBlockM / 2], dp[kBlockM / 2];
-    mbarrier_wait(&smem.q_full[stage], parity);
-    issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
-    mbarrier_wait(&smem.do_full[stage], parity);
-    issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
+    mbarrier_wait(smem.kv_full, iter & 1);
+    for (int step = 0; step < num_steps; ++step) {
+      const int m_start = block.m_start(step);
+      const int stage = (first_step + step) % kStages;  // the rings run on across key blocks
+      const uint32_t parity = ((first_step + step) / kStages) & 1;
+      // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read
+      // at n.
+      const int buffer = step % 2;
+      // The step's lse in registers before its GEMMs: read after them, the loads wait behind the GEMMs' operands.
+      // delta once S^T has ended.
+      const int stats_offset = (2 * buffer + consumer) * kBlockM;
+      ColumnPairs<kBlockM> lse_log2, delta;
+      lse_log2.load(smem.lse_log2 + stats_offset, lane);
+      if (step + 1 < num_steps) load_stats(block, step + 1);  // in flight during this step
 
-    if constexpr (kOptions) {
-      // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
-      const int left = Block::left(p), right = Block::right(p);
-      const bool needs_mask = m_start + kBlockM > block.len_q(p) || n_start + kBlockN > block.len_k(p) ||
-                              (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
-                              (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
-      // Entries outside the band; only blocks at an edge test them (without softcap in a branch of its own, which
-      // interior blocks skip; with it the branch's extra live registers spill at D64).
-      const auto masked = [&](int col, int i) {
-        const int key = key0 + 8 * (i / 2);
-        const int query = m_start + col;
-        return query >= block.len_q(p) || key >= block.len_k(p) || (right >= 0 && key > query + causal_shift + right) ||
-               (left >= 0 && key < query + causal_shift - left);
-      };
-      if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
-        wgmma_wait<1>();
-        wgmma_fence_registers(s);
-        delta.load(smem.delta + stats_offset, lane);
-        const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
-        __half2 t[kBlockM / 4];
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float pair[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
-              pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
-              s[4 * j + i] =
-                  needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(pair[c], cap_log2, -lse_log2.at(j, i)));
-            }
-            t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
-          }
-        }
-        wgmma_wait<0>();
-        wgmma_fence_registers(dp);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float2 pair = __half22float2(t[2 * j + h]);
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int i = 2 * h + c;
-              const float x = c == 0 ? pair.x : pair.y;
-              dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i)) * (1.f - x * x);  // dS^T
-            }
-          }
-        }
-      } else {
-        // P^T while dP^T is still running.
-        wgmma_wait<1>();
-        wgmma_fence_registers(s);
-        delta.load(smem.delta + stats_offset, lane);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2.at(j, i)));
-        }
-        if (needs_mask) {
-#pragma unroll
+      float s[kBlockM / 2], dp[kBlockM / 2];
+      mbarrier_wait(&smem.q_full[stage], parity);
+      issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
+      mbarrier_wait(&smem.do_full[stage], parity);
+      issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
+
+      if constexpr (kOptions) {
+        // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
+        const int left = Block::left(p), right = Block::right(p);
+        const bool needs_mask = m_start + kBlockM > block.len_q(p) || n_start + kBlockN > block.len_k(p) ||
+                                (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
+                                (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+        // Entries outside the band; only blocks at an edge test them (without softcap in a branch of its own, which
+        // interior blocks skip; with it the branch's extra live registers spill at D64).
+        const auto masked = [&](int col, int i) {
+          const int key = key0 + 8 * (i / 2);
+          const int query = m_start + col;
+          return query >= block.len_q(p) || key >= block.len_k(p) ||
+                 (right >= 0 && key > query + causal_shift + right) || (left >= 0 && key < query + causal_shift - left);
+        };
+        if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
+          wgmma_wait<1>();
+          wgmma_fence_registers(s);
+          delta.load(smem.delta + stats_offset, lane);
+          const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
+          __half2 t[kBlockM / 4];
+  #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              if (masked(8 * j + 2 * (lane % 4) + i % 2, i)) s[4 * j + i] = 0.f;
+  #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float pair[2];
+  #pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
+                pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
+                s[4 * j + i] =
+                    needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(pair[c], cap_log2, -lse_log2.at(j, i)));
+              }
+              t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
             }
           }
+          wgmma_wait<0>();
+          wgmma_fence_registers(dp);
+  #pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+  #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float2 pair = __half22float2(t[2 * j + h]);
+  #pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int i = 2 * h + c;
+                const float x = c == 0 ? pair.x : pair.y;
+                dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i)) * (1.f - x * x);  // dS^T
+              }
+            }
+          }
+        } else {
+          // P^T while dP^T is still running.
+          wgmma_wait<1>();
+          wgmma_fence_registers(s);
+          delta.load(smem.delta + stats_offset, lane);
+  #pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2.at(j, i)));
+          }
+          if (needs_mask) {
+  #pragma unroll
+            for (int j = 0; j < kBlockM / 8; ++j) {
+  #pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                if (masked(8 * j + 2 * (lane % 4) + i % 2, i)) s[4 * j + i] = 0.f;
+              }
+            }
+          }
+
+          wgmma_wait<0>();
+          wgmma_fence_registers(dp);
+  #pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
+          }
         }
+      } else {  // as the options branch without softcap, with the causal mask alone
+        // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
+        wgmma_wait<1>();
+        wgmma_fence_registers(s);
+        delta.load(smem.delta + stats_offset, lane);
+        masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, block.len_q(p), block.len_k(p),
+                                                        m_start, n_start, causal_shift, key0, lane);
 
         wgmma_wait<0>();
         wgmma_fence_registers(dp);
-#pragma unroll
+  #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
+  #pragma unroll
           for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
         }
       }
-    } else {  // as the options branch without softcap, with the causal mask alone
-      // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
-      wgmma_wait<1>();
-      wgmma_fence_registers(s);
-      delta.load(smem.delta + stats_offset, lane);
-      masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, block.len_q(p), block.len_k(p),
-                                                      m_start, n_start, causal_shift, key0, lane);
 
-      wgmma_wait<0>();
-      wgmma_fence_registers(dp);
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
+      // dS^T to shared memory for dQ = dS K, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
+      // (the wgmma async proxy reads what the threads wrote: fence, then the barrier below).
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      pack_a<T, kBlockM>(p_frag, s);
+      pack_a<T, kBlockM>(ds_frag, dp);
+      store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
+      fence_proxy_async_smem();
+
+      // dV += P^T dO now; dK += dS^T Q after dQ, so that dQ's trip to shared memory below runs under the dK GEMM.
+      wgmma_fence_registers(dv);
+      wgmma_fence_registers(dk);
+      wgmma_fence_registers(p_frag);
+      wgmma_fence_registers(ds_frag);
+      wgmma_fence();
+      issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
+      wgmma_commit();
+
+      // The next step's lse/delta go to the other buffer (its last readers, step n - 1, passed the barrier below a
+      // step ago); the barrier publishes them with the dS^T tiles.
+      if (step + 1 < num_steps) store_stats(buffer ^ 1);
+      named_barrier_sync(BwdBarrier::kDsStored, 256);
+
+      // dQ tile = dS[query block] K[:, column block] over the CTA's 128 keys: A = the two dS^T tiles read M-major
+      // (k16 steps over keys), B = K rows read transposed.
+      float dq[32];
+      wgmma_fence_registers(dq);
+      wgmma_fence();
+      const uint64_t ds_desc = smem_desc_sw128(smem.ds_tile(buffer, 0) + dq_query_block * 64 * 64);
+      const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
+  #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {  // consumer kk / 4's dS^T tile, 16 keys of it
+        const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
+        Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)),
+                                              desc_advance(k_desc, kk * 16 * 64 * sizeof(T)), kk > 0);
       }
+      wgmma_commit();
+      issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ done: dO of the stage is free
+      wgmma_fence_registers(dv);
+      wgmma_fence_registers(p_frag);
+      wgmma_fence_registers(dq);
+      mbarrier_arrive(&smem.do_empty[stage]);
+
+      if (step > 0) {  // the writer read the last (a block's first: the epilogue before waited)
+        named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);
+      }
+      store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
+      fence_proxy_async_smem();
+      named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
+
+      wgmma_wait<0>();  // dK done: Q of the stage is free
+      wgmma_fence_registers(dk);
+      wgmma_fence_registers(ds_frag);
+      mbarrier_arrive(&smem.q_empty[stage]);
     }
 
-    // dS^T to shared memory for dQ = dS K, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
-    // (the wgmma async proxy reads what the threads wrote: fence, then the barrier below).
-    uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-    pack_a<T, kBlockM>(p_frag, s);
-    pack_a<T, kBlockM>(ds_frag, dp);
-    store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
-    fence_proxy_async_smem();
+    mbarrier_arrive(smem.kv_empty);  // K and V may take the next block's
 
-    // dV += P^T dO now; dK += dS^T Q after dQ, so that dQ's trip to shared memory below runs under the dK GEMM.
-    wgmma_fence_registers(dv);
-    wgmma_fence_registers(dk);
-    wgmma_fence_registers(p_frag);
-    wgmma_fence_registers(ds_frag);
-    wgmma_fence();
-    issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
-    wgmma_commit();
+    // The next key block's first statistics load under this epilogue.
+    index = scheduler.read(iter + 1);
+    const bool more = index < num_blocks;
+    const Block next = more ? Block(p, index) : block;
+    if (more && next.num_steps(p) > 0) load_stats(next, 0);
 
-    // The next step's lse/delta go to the other buffer (its last readers, step n - 1, passed the barrier below a
-    // step ago); the barrier publishes them with the dS^T tiles.
-    if (step + 1 < num_steps) store_stats(buffer ^ 1);
+    // Epilogue: this warpgroup's dK (times scale) and dV leave through its own dQ and dS^T tiles (K and V may hold
+    // the next block's already), free once both consumers' GEMMs have ended and the writer has read the last dQ tile,
+    // then in whole 128-byte lines (ncu: 4-byte stores straight from the accumulators took about 3.5 steps' time).
     named_barrier_sync(BwdBarrier::kDsStored, 256);
-
-    // dQ tile = dS[query block] K[:, column block] over the CTA's 128 keys: A = the two dS^T tiles read M-major
-    // (k16 steps over keys), B = K rows read transposed.
-    float dq[32];
-    wgmma_fence_registers(dq);
-    wgmma_fence();
-    const uint64_t ds_desc = smem_desc_sw128(smem.ds_tile(buffer, 0) + dq_query_block * 64 * 64);
-    const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {  // consumer kk / 4's dS^T tile, 16 keys of it
-      const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
-      Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)),
-                                            desc_advance(k_desc, kk * 16 * 64 * sizeof(T)), kk > 0);
-    }
-    wgmma_commit();
-    issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
-    wgmma_commit();
-    wgmma_wait<1>();  // dV and dQ done: dO of the stage is free
-    wgmma_fence_registers(dv);
-    wgmma_fence_registers(p_frag);
-    wgmma_fence_registers(dq);
-    mbarrier_arrive(&smem.do_empty[stage]);
-
-    named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
-    store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
-    fence_proxy_async_smem();
-    named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
-
-    wgmma_wait<0>();  // dK done: Q of the stage is free
-    wgmma_fence_registers(dk);
-    wgmma_fence_registers(ds_frag);
-    mbarrier_arrive(&smem.q_empty[stage]);
+    if (num_steps > 0) named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);
+    T* const dk_stage = reinterpret_cast<T*>(dq_tile);  // [kHeadDim / 64][64][64]
+    T* const dv_stage = smem.ds_tile(0, consumer);       // sub-tiles in this consumer's dS^T tiles of both buffers
+    constexpr int kDvStride = 2 * Traits::kTileDS;
+    store_swizzled_tile<T, kHeadDim, 64 * 64>(dk_stage, dk, warp, lane, p.scale);
+    store_swizzled_tile<T, kHeadDim, kDvStride>(dv_stage, dv, warp, lane);
+    named_barrier_sync(BwdBarrier::epilogue(consumer), 128);
+    store_key_rows<T, kHeadDim, 64, 128, 64 * 64>(p, block, dk_stage, p.dk, 64 * consumer, thread);
+    store_key_rows<T, kHeadDim, 64, 128, kDvStride>(p, block, dv_stage, p.dv, 64 * consumer, thread);
+    if (!more) break;
+    first_step += num_steps;
+    block = next;
   }
-
-  // This warpgroup's 64 rows of every column block (ncu: 4-byte stores straight from the accumulators took about 3.5
-  // steps' time per CTA).
-  store_dk_dv<T, Traits, kHeadDim>(p, block, smem, consumer * 64 * 64, BwdBarrier::kDsStored, dk, dv, warp, lane);
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
-// Launches the Hopper backward on `stream` (delta computed and dq_accum zeroed by the caller): this file's kernel for
+// Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
+// file's kernel for
 // head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
 // another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with kOptions): packed
@@ -409,7 +470,9 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
   const int64_t num_n_blocks = kSequences ? packed_slots(params.len_k, params.batch, Traits::kBlockN)
                                           : (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const dim3 grid(static_cast<unsigned>(num_n_blocks * params.heads_kv * shape.batch));
+  const int64_t num_blocks = num_n_blocks * params.heads_kv * shape.batch;
+  // D256: a CTA per key block; else persistent, at most one CTA per SM (blocks from params.tile_counter).
+  const dim3 grid(static_cast<unsigned>(HeadDim == 256 ? num_blocks : std::min<int64_t>(num_blocks, params.max_ctas)));
   CUtensorMap dq_map;
   if (!make_dq_accum_map(&dq_map, shape.dq_accum, shape.batch, shape.heads, shape.len_q, shape.head_dim, 64)) {
     return cudaErrorNotSupported;

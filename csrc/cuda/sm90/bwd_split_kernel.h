@@ -91,7 +91,8 @@ struct BwdSplitSharedStorage {
   float* lse_log2;  // [kBlockM]
   float* delta;
   uint64_t* kv_full;
-  uint64_t* q_full;  // [kStages]
+  uint64_t* kv_empty;  // unused: one key block per CTA
+  uint64_t* q_full;    // [kStages]
   uint64_t* do_full;  // [kStagesDo]
   uint64_t* q_empty;
   uint64_t* do_empty;
@@ -108,7 +109,8 @@ struct BwdSplitSharedStorage {
     lse_log2 = p_exact + Traits::kTileP;
     delta = lse_log2 + Traits::kBlockM;
     kv_full = reinterpret_cast<uint64_t*>(delta + Traits::kBlockM);
-    q_full = kv_full + 1;
+    kv_empty = kv_full + 1;
+    q_full = kv_empty + 1;
     do_full = q_full + Traits::kStages;
     q_empty = do_full + Traits::kStagesDo;
     do_empty = q_empty + Traits::kStages;
@@ -130,6 +132,22 @@ __device__ __forceinline__ void issue_tile_times_half(float (&acc)[Traits::kHalf
   }
 }
 
+// This warpgroup's dK (times scale) and dV, kCols columns of the 64 keys, leave through the K and V tiles (free once
+// both consumer warpgroups' GEMMs have ended: `barrier`, 256 threads), staged at `offset` elements into each, then as
+// whole lines (store_key_rows) by both warpgroups.
+template <typename T, typename Traits, int kCols, typename Block, typename Storage>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& block, const Storage& smem, int offset,
+                                            int barrier, const float (&dk)[kCols / 2], const float (&dv)[kCols / 2],
+                                            int warp, int lane) {
+  named_barrier_sync(barrier, 256);
+  store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.k + offset, dk, warp, lane, p.scale);
+  store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.v + offset, dv, warp, lane);
+  named_barrier_sync(barrier, 256);
+  constexpr int kRows = Traits::kBlockN;
+  store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.k, p.dk, 0, threadIdx.x - 128);
+  store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.v, p.dv, 0, threadIdx.x - 128);
+}
+
 template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
@@ -141,7 +159,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kHalf = Traits::kHalf;
 
   using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
-  const Block block(p);
+  const Block block(p, static_cast<int>(blockIdx.x));
   const int n_start = block.n_start;
   const int causal_shift = block.len_k(p) - block.len_q(p);
 
@@ -153,9 +171,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (warpgroup == 0) {  // ------------------------------------------------------------------- producer, dQ writer
     setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block);
+    if (threadIdx.x == 0) run_bwd_producer<T, Traits>(smem, q_map, k_map, v_map, do_map, p, block, 0, 0);
     const int warp = threadIdx.x / 32;
-    if (warp == 1 || warp == 2) run_dq_writer<Traits>(smem, dq_map, p, block, warp - 1, threadIdx.x % 32);
+    if (warp == 1 || warp == 2) {
+      run_dq_writer<Traits>(smem, dq_map, p, block, warp - 1, threadIdx.x % 32);
+      if (threadIdx.x % 32 == 0) bulk_wait_group<0>();  // the reductions end before the CTA's shared memory goes
+    }
     return;
   }
 
@@ -184,8 +205,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // A step's dQ half leaves in two tiles of 64 columns through this warpgroup's one buffer: the first once computed,
   // the second (dq_late) under the next step's first GEMM, while the writer reads the first.
-  const auto store_dq_tile = [&](const auto& tile) {  // its first 64 columns
-    named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the writer read the last
+  const auto store_dq_tile = [&](const auto& tile, bool first) {  // its first 64 columns
+    if (!first) named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // the last was read
     store_swizzled_fp32_tile(dq_tile, tile, warp, lane);
     fence_proxy_async_smem();
     named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
@@ -214,7 +235,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (consumer == 0) {
       mbarrier_wait(&smem.q_full[stage], parity);
       issue_rows_times_block<T, Traits>(acc, smem.k, smem.q_stage(stage));
-      if (step > 0) store_dq_tile(dq_late);
+      if (step > 0) store_dq_tile(dq_late, false);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
       if constexpr (kOptions) {
@@ -256,7 +277,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     } else {
       mbarrier_wait(&smem.do_full[do_stage], do_parity);
       issue_rows_times_block<T, Traits>(acc, smem.v, smem.dout_stage(do_stage));
-      if (step > 0) store_dq_tile(dq_late);
+      if (step > 0) store_dq_tile(dq_late, false);
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
     }
@@ -304,7 +325,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.do_empty[do_stage]);
     wgmma_wait<1>();
     wgmma_fence_registers(dq);
-    store_dq_tile(dq);
+    store_dq_tile(dq, step == 0);
 #pragma unroll
     for (int i = 0; i < 32; ++i) dq_late[i] = dq[32 + i];
     wgmma_wait<0>();  // dK done: Q of the stage is free
@@ -312,7 +333,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_arrive(&smem.q_empty[stage]);
   }
 
-  if (num_steps > 0) store_dq_tile(dq_late);
+  if (num_steps > 0) {
+    store_dq_tile(dq_late, false);
+    named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);  // pairs with the writer's last
+  }
   // This warpgroup's half of the columns (column blocks 2 c and 2 c + 1), all 64 rows.
   store_dk_dv<T, Traits, kHalf>(p, block, smem, 2 * consumer * Traits::kSubTileKV, BwdSplitBarrier::kStepStart, dk, dv,
                                 warp, lane);

@@ -25,6 +25,8 @@ struct BwdBarrier {
   __host__ __device__ static constexpr int dq_full(int consumer) { return 2 + consumer; }
   // The writer has read consumer c's dQ tile: it may be overwritten (kWriterThreads).
   __host__ __device__ static constexpr int dq_empty(int consumer) { return 4 + consumer; }
+  // Consumer c's dK and dV are staged in shared memory for its row stores (its 128 threads).
+  __host__ __device__ static constexpr int epilogue(int consumer) { return 8 + consumer; }
 };
 
 // Backward for D256 (bwd_split_kernel.h), two consumer warpgroups that split each step's work; their dQ writer warps
