@@ -379,8 +379,8 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
 // The Hopper backward's persistent schedule: a grid of at most one CTA per SM takes key blocks (KeyBlock's numbering)
 // one at a time from p.tile_counter (zeroed by the preprocess pass), so that blocks start in index order as a grid of
 // a CTA per block would start them: an ordered dQ's turns wait only for blocks that have started. The producer thread
-// takes the next block while it loads this one and publishes it in a two-slot mailbox (num_blocks: done), which the
-// consumers and the dQ writers read.
+// takes the next block once it has issued this one's loads and publishes it in a two-slot mailbox (num_blocks: done),
+// which the consumers and the dQ writers read.
 struct BwdTileScheduler {
   static constexpr int kReaders = 2 * 128 + 2 * 32;  // the consumer warpgroups and the dQ writer warps
   int* slots;       // [2]
