@@ -288,12 +288,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           delta.load(smem.delta + stats_offset, lane);
           const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
           __half2 t[kBlockM / 4];
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-  #pragma unroll
+#pragma unroll
             for (int h = 0; h < 2; ++h) {
               float pair[2];
-  #pragma unroll
+#pragma unroll
               for (int c = 0; c < 2; ++c) {
                 const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
                 pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
@@ -305,12 +305,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           }
           wgmma_wait<0>();
           wgmma_fence_registers(dp);
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-  #pragma unroll
+#pragma unroll
             for (int h = 0; h < 2; ++h) {
               const float2 pair = __half22float2(t[2 * j + h]);
-  #pragma unroll
+#pragma unroll
               for (int c = 0; c < 2; ++c) {
                 const int i = 2 * h + c;
                 const float x = c == 0 ? pair.x : pair.y;
@@ -323,15 +323,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           wgmma_wait<1>();
           wgmma_fence_registers(s);
           delta.load(smem.delta + stats_offset, lane);
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < 4; ++i) s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2.at(j, i)));
           }
           if (needs_mask) {
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < kBlockM / 8; ++j) {
-  #pragma unroll
+#pragma unroll
               for (int i = 0; i < 4; ++i) {
                 if (masked(8 * j + 2 * (lane % 4) + i % 2, i)) s[4 * j + i] = 0.f;
               }
@@ -340,9 +340,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
           wgmma_wait<0>();
           wgmma_fence_registers(dp);
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
-  #pragma unroll
+#pragma unroll
             for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
           }
         }
@@ -356,9 +356,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
         wgmma_wait<0>();
         wgmma_fence_registers(dp);
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
         }
       }
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_fence();
       const uint64_t ds_desc = smem_desc_sw128(smem.ds_tile(buffer, 0) + dq_query_block * 64 * 64);
       const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {  // consumer kk / 4's dS^T tile, 16 keys of it
         const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
         Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)),
