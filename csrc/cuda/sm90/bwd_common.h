@@ -54,7 +54,7 @@ struct KeyBlock {
   bool ordered;     // dQ added in a fixed order (p.dq_semaphore)
 
   // Key blocks are numbered 0 .. num_blocks(p) - 1 (a grid of one CTA each, or the tiles of BwdTileScheduler).
-  __device__ static int num_blocks(const BwdParams& p) {
+  __host__ __device__ static int num_blocks(const BwdParams& p) {
     if constexpr (kSequences) return packed_slots(p.len_k, p.batch, Traits::kBlockN) * p.heads_kv;
     return (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN * p.heads_kv * p.batch;
   }

@@ -229,10 +229,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (stages_delta) smem.delta[offset] = stats.delta_or_zero();
   };
 
+  // Block `index`'s first statistics (a band or an idle slot can leave a block without steps).
+  const auto load_first_stats = [&](int index) {
+    if (const Block b(p, index); b.num_steps(p) > 0) load_stats(b, 0);
+  };
+
   int index = scheduler.read(0);
   if (index >= num_blocks) return;
-  if (const Block first(p, index); first.num_steps(p) > 0) load_stats(first, 0);  // a band or an idle slot can
-                                                                                   // leave a block without steps
+  load_first_stats(index);
   for (int iter = 0, first_step = 0;; ++iter) {
     const Block block(p, index);
     const int n_start = block.n_start;
@@ -425,9 +429,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // The next key block's first statistics load under this epilogue.
     index = scheduler.read(iter + 1);
     const bool more = index < num_blocks;
-    if (more) {
-      if (const Block next(p, index); next.num_steps(p) > 0) load_stats(next, 0);
-    }
+    if (more) load_first_stats(index);
 
     // Epilogue: this warpgroup's dK (times scale) and dV leave through its own dQ and dS^T tiles (K and V may hold
     // the next block's already), free once both consumers' GEMMs have ended and the writer has read the last dQ tile,
@@ -449,8 +451,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 // Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
-// file's kernel for
-// head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
+// file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
 // another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with kOptions): packed
 // sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
@@ -470,11 +471,9 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   if (!ok) return cudaErrorNotSupported;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   static_assert(kSmemBytes <= 227 * 1024, "the backward's tiles exceed the 227 KB of shared memory per block");
-  const int64_t num_n_blocks = kSequences ? packed_slots(params.len_k, params.batch, Traits::kBlockN)
-                                          : (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int64_t num_blocks = num_n_blocks * params.heads_kv * shape.batch;
+  const int num_blocks = KeyBlock<Traits, kCausal, kOptions, kSequences>::num_blocks(params);
   // D256: a CTA per key block; else persistent, at most one CTA per SM (blocks from params.tile_counter).
-  const dim3 grid(static_cast<unsigned>(HeadDim == 256 ? num_blocks : std::min<int64_t>(num_blocks, params.max_ctas)));
+  const dim3 grid(static_cast<unsigned>(HeadDim == 256 ? num_blocks : std::min(num_blocks, params.max_ctas)));
   CUtensorMap dq_map;
   if (!make_dq_accum_map(&dq_map, shape.dq_accum, shape.batch, shape.heads, shape.len_q, shape.head_dim, 64)) {
     return cudaErrorNotSupported;
