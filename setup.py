@@ -65,7 +65,7 @@ def make_extension():
     # The stable ABI (py_limited_api, as pytorch/extension-cpp builds; torch defines Py_LIMITED_API for 3.10): the
     # library uses no Python API beyond creating an empty module, so one build loads on every CPython >= 3.10.
     cxx_flags = ["-O3", "-std=c++17"]
-    sources = ["csrc/flashattn.cpp", "csrc/autocast.cpp", "csrc/cpu/attention_cpu.cpp"]
+    sources = ["csrc/flashattn.cpp", "csrc/autocast.cpp", "csrc/autograd.cpp", "csrc/cpu/attention_cpu.cpp"]
     if not build_cuda():
         return CppExtension(
             "flashattn_ext._C",

@@ -1,4 +1,5 @@
-"""Python face of the flashattn ops: user-facing functions, fake (meta) implementations, autograd."""
+"""Python face of the flashattn ops: user-facing functions and fake (meta) implementations (autograd and autocast
+are registered in C++: csrc/autograd.cpp, csrc/autocast.cpp)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -244,79 +245,3 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, b
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     return out, lse
-
-
-# ---- autograd ---------------------------------------------------------------------------------------------------
-
-
-def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, window_size, softcap, sinks = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
-    ctx.causal = causal
-    ctx.scale = scale
-    ctx.window_size = window_size
-    ctx.softcap = softcap
-
-
-def _output_grads(dout: Optional[Tensor], dlse: Optional[Tensor], out: Tensor):
-    """The gradients of out and lse as the backward ops take them."""
-    if dout is None:  # only lse was used downstream
-        dout = torch.zeros_like(out)
-    elif dout.stride(-1) != 1:  # autograd hands out expanded grads (e.g. of out.sum()); the kernels need rows
-        dout = dout.contiguous()
-    return dout, None if dlse is None else dlse.contiguous()
-
-
-def _fwd_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
-    dout, dlse = _output_grads(dout, dlse, out)
-    dq, dk, dv, dsinks = torch.ops.flashattn.bwd(
-        dout, q, k, v, out, lse, ctx.causal, ctx.scale, dlse, torch.are_deterministic_algorithms_enabled(),
-        ctx.window_size, ctx.softcap, sinks,
-    )
-    needs = ctx.needs_input_grad
-    grads = (dq, dk, dv, None, None, None, None, dsinks if sinks is not None else None)
-    return tuple(g if need else None for g, need in zip(grads, needs))
-
-
-def _fwd_varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_size, softcap, sinks = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
-    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.causal = causal
-    ctx.scale = scale
-    ctx.window_size = window_size
-    ctx.softcap = softcap
-
-
-def _fwd_varlen_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
-    dout, dlse = _output_grads(dout, dlse, out)
-    dq, dk, dv, dsinks = torch.ops.flashattn.bwd_varlen(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal, ctx.scale, dlse,
-        torch.are_deterministic_algorithms_enabled(), ctx.window_size, ctx.softcap, sinks,
-    )
-    needs = ctx.needs_input_grad
-    grads = (dq, dk, dv) + (None,) * 8 + (dsinks if sinks is not None else None,)
-    return tuple(g if need else None for g, need in zip(grads, needs))
-
-
-def _bwd_setup_context(ctx, inputs, output):
-    pass
-
-
-def _bwd_backward(ctx, *grads):
-    raise RuntimeError(
-        "flashattn: double backward (gradients of flashattn gradients, e.g. torch.autograd.grad(..., "
-        "create_graph=True) followed by another backward) is not supported"
-    )
-
-
-torch.library.register_autograd("flashattn::fwd", _fwd_backward, setup_context=_fwd_setup_context)
-torch.library.register_autograd("flashattn::bwd", _bwd_backward, setup_context=_bwd_setup_context)
-torch.library.register_autograd(
-    "flashattn::fwd_varlen", _fwd_varlen_backward, setup_context=_fwd_varlen_setup_context
-)
-torch.library.register_autograd("flashattn::bwd_varlen", _bwd_backward, setup_context=_bwd_setup_context)
