@@ -3,9 +3,9 @@ gpu__time_duration per launch.
 
 One-round benchmarks at the card's own clocks move by up to 10% between rounds on the H200; Nsight Compute locks the
 clocks (its default --clock-control base) and times each launch, which separates changes of 0.5-1%
-(benchmarks/lab/LOG.md, v18 and v19). Each build is a source tree with the extension built in place (`python setup.py build_ext --inplace`;
-FLASHATTN_HEADDIMS may limit it to the head dims measured). The builds run in turns, `--passes` times each, so a
-drift of the card shows up as a spread between passes rather than as a difference between builds.
+(benchmarks/lab/LOG.md, v18 and v19). Each build is a source tree with the extension built in place (`python setup.py
+build_ext --inplace`; FLASHATTN_HEADDIMS may limit it to the head dims measured). The builds run in turns, `--passes`
+times each, so a drift of the card shows up as a spread between passes rather than as a difference between builds.
 
     python benchmarks/lab/ncu_ab.py --build main=/tmp/main --build new=. --shapes 128:nc:1024,128:nc:4096,256:c:8192
 
@@ -13,8 +13,9 @@ prints, per shape, each build's median launch time (ns) per pass and the change 
 (+ is faster), marked "apart" where every pass of one build is faster than every pass of the other (else "overlap");
 more than two builds (--build given three times or more) are A/B'd against the first in one session. With --backward
 each call is a forward and a backward, and the backward kernel is timed (the Hopper one; the sm80 one under
-FLASHATTN_BWD_SM90=0). Shapes are D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py; a warm-up launch,
-then --launches timed ones. Needs ncu (CUDA toolkit) on PATH or at /usr/local/cuda/bin/ncu.
+FLASHATTN_BWD_SM90=0). Shapes are D:nc|c:L at B*L = --tokens and H*D = --hidden, as in bench_sdpa.py (--window L,R
+gives each a sliding window: the options kernels); a warm-up launch, then --launches timed ones. Needs ncu (CUDA
+toolkit) on PATH or at /usr/local/cuda/bin/ncu.
 """
 import argparse
 import csv
@@ -39,6 +40,11 @@ def parse_shapes(text):
     return shapes
 
 
+def window_arg(text):
+    left, right = (int(x) for x in text.split(","))
+    return left, right
+
+
 def launch(args, shapes):
     """The workload Nsight Compute profiles: per shape one warm-up and `launches` timed calls (forward, or forward and
     backward with --backward)."""
@@ -54,7 +60,7 @@ def launch(args, shapes):
                    for _ in range(3))
         grad_out = torch.randn_like(q)
         for _ in range(1 + args.launches):
-            out = flashattn_ext.flash_attn(q, k, v, causal=causal)
+            out = flashattn_ext.flash_attn(q, k, v, causal=causal, window_size=args.window)
             if args.backward:
                 torch.autograd.grad(out, (q, k, v), grad_out)
         torch.cuda.synchronize()
@@ -84,7 +90,8 @@ def profile(args, build_dir):
     kernel_regex = args.kernel_regex or (BACKWARD_KERNEL_REGEX if args.backward else KERNEL_REGEX)
     cmd = [ncu, "--csv", "--metrics", "gpu__time_duration.sum", "-k", kernel_regex, sys.executable,
            str(Path(__file__).resolve()), "--launch", "--shapes", args.shapes, "--launches", str(args.launches),
-           "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--dtype", args.dtype]
+           "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--dtype", args.dtype,
+           f"--window={args.window[0]},{args.window[1]}"]  # one token: "-1,-1" would read as an option
     if args.backward:
         cmd.append("--backward")
     if args.deterministic:
@@ -107,6 +114,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384, help="B * L")
     parser.add_argument("--hidden", type=int, default=2048, help="H * D")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--window", type=window_arg, default=(-1, -1), metavar="L,R",
+                        help="a sliding window for every shape (the options kernels; -1: unbounded on that side)")
     parser.add_argument("--fwd-sm90", default="strict", help="FLASHATTN_FWD_SM90 for the runs (strict: Hopper only)")
     parser.add_argument("--backward", action="store_true",
                         help="time the Hopper backward kernel of a forward + backward call instead of the forward")
