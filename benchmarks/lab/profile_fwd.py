@@ -31,16 +31,19 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384, help="B * L")
     parser.add_argument("--hidden", type=int, default=2048, help="H * D")
     parser.add_argument("--backward", action="store_true", help="each call also runs the backward for a random dout")
+    parser.add_argument("--window", default="-1,-1", metavar="L,R",
+                        help="a sliding window for our calls (the options kernels; SDPA's run without it)")
     args = parser.parse_args()
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    window = tuple(int(x) for x in args.window.split(","))
     for length in (int(x) for x in args.lengths.split(",")):
         batch, heads = max(1, args.tokens // length), max(1, args.hidden // args.head_dim)
         q, k, v = (torch.randn(batch, heads, length, args.head_dim, device="cuda", dtype=dtype,
                                requires_grad=args.backward) for _ in range(3))
         dout = torch.randn_like(q)
         for _ in range(2):  # the first SDPA call also builds cuDNN's graph; profile the second with -s or -c
-            outputs = [flashattn_ext.flash_attn(q, k, v, args.causal)]
+            outputs = [flashattn_ext.flash_attn(q, k, v, args.causal, window_size=window)]
             with sdpa_kernel(BACKENDS[args.backend]):
                 outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=args.causal))
             if args.backward:
