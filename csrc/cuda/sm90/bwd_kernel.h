@@ -271,6 +271,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
       mbarrier_wait(&smem.do_full[stage], parity);
       issue_rows_times_block<T, Traits>(dp, v_rows, smem.dout_stage(stage));
+      // dS^T = P^T (dP^T - delta) in dp, once dP^T has landed (softcap has its own, through the tanh).
+      const auto ds_from_dp = [&] {
+        wgmma_wait<0>();
+        wgmma_fence_registers(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));
+        }
+      };
 
       if constexpr (kOptions) {
         // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
@@ -342,13 +352,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             }
           }
 
-          wgmma_wait<0>();
-          wgmma_fence_registers(dp);
-#pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
-          }
+          ds_from_dp();
         }
       } else {  // as the options branch without softcap, with the causal mask alone
         // P^T while dP^T is still running. Masked: queries past Lq, keys past Lk, and (causal) key > query + shift.
@@ -358,13 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         masked_probabilities<kCausal, kBlockM, kBlockN>(s, lse_log2, p.scale_log2, block.len_q(p), block.len_k(p),
                                                         m_start, n_start, causal_shift, key0, lane);
 
-        wgmma_wait<0>();
-        wgmma_fence_registers(dp);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i));  // dS^T
-        }
+        ds_from_dp();
       }
 
       // dS^T to shared memory for dQ = dS K, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
