@@ -337,8 +337,7 @@ void set_bwd_schedule(BwdParams& params, const at::Tensor& tile_counter) {
 // float32).
 enum class BwdPath { kSm90, kSm80, kChunked };
 
-// `sequences`: packed sequences, in the sequences variants (which take the band too; sm80: the ordered dQ too). A
-// rotated ordered dQ (params.dq_rotation > 0, no mask) runs in the Hopper kernels' rotated variant.
+// `sequences`: packed sequences, in the sequences variants (which take the band too; sm80: the ordered dQ too).
 cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool causal, bool options, bool sequences,
                        BwdPath path, cudaStream_t stream) {
   cudaError_t err = cudaErrorInvalidValue;
@@ -354,15 +353,9 @@ cudaError_t launch_bwd(const BwdParams& params, bool is_bf16, int bucket, bool c
           if constexpr (sm90_bwd_covers(kBucket)) {
             constexpr int kHopperHeadDim = sm90_kernel_head_dim(kBucket);
             if (path == BwdPath::kSm90 && sequences) {  // in the options variants
-              if constexpr (kOptions) {
-                err = sm90::run_bwd_sm90<T, kHopperHeadDim, kCausal, true, true, false>(params, stream);
-              }
-            } else if (path == BwdPath::kSm90 && params.dq_rotation > 0) {
-              if constexpr (!kCausal && !kOptions) {
-                err = sm90::run_bwd_sm90<T, kHopperHeadDim, false, false, false, true>(params, stream);
-              }
+              if constexpr (kOptions) err = sm90::run_bwd_sm90<T, kHopperHeadDim, kCausal, true, true>(params, stream);
             } else if (path == BwdPath::kSm90) {
-              err = sm90::run_bwd_sm90<T, kHopperHeadDim, kCausal, kOptions, false, false>(params, stream);
+              err = sm90::run_bwd_sm90<T, sm90_kernel_head_dim(kBucket), kCausal, kOptions, false>(params, stream);
             }
           }
 #endif
@@ -500,9 +493,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   params.dq_accum = dq_accum.data_ptr<float>();
   params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   set_bwd_schedule(params, tile_counter);
-  if (deterministic && path == BwdPath::kSm90 && !causal && !options) {
-    params.dq_rotation = sm90::bwd_dq_rotation(sm90_kernel_head_dim(bucket), s.len_q, s.len_k, params.max_ctas);
-  }
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
   const cudaError_t err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal,

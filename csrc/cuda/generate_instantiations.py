@@ -20,9 +20,7 @@ WITH_OPTIONS_BOTH = WITH_OPTIONS + (("options_causal", "true, true"),)
 # The Hopper kernels' also with packed sequences.
 SM90_SEQUENCES = (("sequences", "false, true, true"), ("sequences_causal", "true, true, true"))
 FWD_SM90 = tuple((name, args + ", false") for name, args in WITH_OPTIONS_BOTH) + SM90_SEQUENCES
-# The Hopper backward's also with an ordered dQ from staggered starts (no mask; the last argument).
-BWD_SM90 = tuple((name, args + ", false, false") for name, args in WITH_OPTIONS_BOTH) + tuple(
-    (name, args + ", false") for name, args in SM90_SEQUENCES) + (("noncausal_rotated", "false, false, false, true"),)
+BWD_SM90 = tuple((name, args + ", false") for name, args in WITH_OPTIONS_BOTH)
 # The sm80 kernels' options variant also comes with per-sequence lengths and offsets (packed sequences, a KV cache,
 # ordered dQ): kept out of the others, whose registers it would crowd.
 WITH_SEQUENCES = tuple((name, args + ", false") for name, args in WITH_OPTIONS) + (("sequences", "false, true, true"),)
@@ -31,7 +29,8 @@ KERNELS = (
     ("fwd_sm80", "cuda/sm80/fwd_kernel.h", "flashattn::sm80::run_fwd_sm80", "FwdParams", WITH_SEQUENCES),
     ("bwd_sm80", "cuda/sm80/bwd_kernel.h", "flashattn::sm80::run_bwd_sm80", "BwdParams", WITH_SEQUENCES),
     ("fwd_sm90", "cuda/sm90/fwd_launch.h", "flashattn::sm90::run_fwd_sm90", "FwdParams", FWD_SM90),
-    ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams", BWD_SM90),
+    ("bwd_sm90", "cuda/sm90/bwd_kernel.h", "flashattn::sm90::run_bwd_sm90", "BwdParams",
+     BWD_SM90 + SM90_SEQUENCES),
     # The decode path (any GPU from sm80): dense K/V or a paged cache.
     ("decode", "cuda/sm80/decode_kernel.h", "flashattn::sm80::run_decode", "FwdParams",
      (("dense", "false"), ("paged", "true"))),

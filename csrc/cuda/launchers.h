@@ -41,8 +41,8 @@ template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
 // kOptions: windows and softcap; kSequences (with kOptions): packed sequences (params.seq_maps: kBwdSeqMaps maps per
-// sequence, 128-byte aligned, for the preparation to fill). kRotated (no mask, ordered dQ): params.dq_rotation.
-template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences, bool kRotated>
+// sequence, 128-byte aligned, for the preparation to fill).
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 }  // namespace sm90
 

@@ -154,9 +154,6 @@ struct BwdParams {
   // bound (the SM count).
   int* tile_counter;
   int max_ctas;
-  // Ordered dQ without a mask (Hopper kernels): key block n's steps start at query block n * dq_rotation and wrap round
-  // (KeyBlock::dq_turn); 0: every block starts at its first.
-  int dq_rotation;
 
   void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
   void* __restrict__ dv;

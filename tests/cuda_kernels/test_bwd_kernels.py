@@ -65,16 +65,13 @@ def test_cuda_grads_match_cpu_head_dims(head_dim):
 def small_grid_cases():
     """[(op, args, kwargs, ordered)]: dense (MHA, GQA, Lq < Lk and Lq > Lk, a band that leaves key blocks without
     queries) and packed sequences (idle slots, empty sequences), D64 and D128, bf16 and fp16; ordered: a
-    deterministic dQ in one order on any grid ("rotated": without a mask, where the default grid holds a head's key
-    blocks twice over, their steps start at staggered query blocks, so dQ adds up and dK / dV sum their steps in
-    another order than on the small grid)."""
+    deterministic dQ."""
     from op.test_varlen import MIXED, packed_inputs
 
     cases = []
     dense = [  # (head_dim, dtype, (B, H, Hk, Lq, Lk), kwargs, deterministic)
         (64, torch.bfloat16, (2, 8, 2, 700, 700), dict(causal=True), True),
         (128, torch.bfloat16, (1, 4, 4, 300, 1000), dict(), True),
-        (128, torch.bfloat16, (1, 4, 2, 1000, 700), dict(), "rotated"),
         (128, torch.float16, (1, 4, 2, 200, 1100), dict(causal=True), True),
         (128, torch.bfloat16, (2, 2, 1, 1000, 260), dict(causal=True), False),
         (128, torch.bfloat16, (1, 4, 2, 100, 1000), dict(causal=True, window_size=(32, 0)), False),
@@ -84,7 +81,7 @@ def small_grid_cases():
         q, k, v = make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, dtype, "cuda")
         out, lse = fwd(q, k, v, **kwargs)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-        cases.append(("bwd", (dout, q, k, v, out, lse), dict(kwargs, dlse=dlse, deterministic=bool(deterministic)),
+        cases.append(("bwd", (dout, q, k, v, out, lse), dict(kwargs, dlse=dlse, deterministic=deterministic),
                       deterministic))
     packed = [(128, dict(causal=True), True), (64, dict(causal=True, window_size=(31, 0)), False)]
     for head_dim, kwargs, deterministic in packed:
@@ -98,8 +95,8 @@ def small_grid_cases():
 @pytest.mark.cuda
 def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
     # Ordered, the dQ additions keep their order whichever CTA takes a block: the same bits as the default grid; else
-    # dK and dV (one writer each, steps in a fixed order) the same bits and dQ close; rotated on the default grid only,
-    # all three close and both grids' against the reference. The dense cases also against the reference.
+    # dK and dV (one writer each, steps in a fixed order) the same bits and dQ close. The dense cases also against the
+    # reference.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward's schedule")
     from isolated import run_isolated
@@ -111,12 +108,11 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
             for ctas in ("", "3")}
     for (op, args, kwargs, ordered), default, small in zip(cases, runs[""], runs["3"]):
         for name, a, b in zip(("dq", "dk", "dv"), default, small):
-            if ordered is True or (name != "dq" and ordered != "rotated"):
+            if ordered or name != "dq":
                 assert torch.equal(a, b), f"{op} {kwargs}: {name} differs on the small grid"
             else:
                 torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
         if op == "bwd":
             dout, q, k, v = args[:4]
             mods = {key: kwargs[key] for key in ("causal", "window_size") if key in kwargs}
-            for grads in (small, default) if ordered == "rotated" else (small,):
-                assert_grads_close(grads, q, k, v, dout, kwargs["dlse"], **mods)
+            assert_grads_close(small, q, k, v, dout, kwargs["dlse"], **mods)

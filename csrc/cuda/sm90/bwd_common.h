@@ -38,24 +38,20 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // A block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Blocks start in index order (a
 // CTA each, or taken in turn from BwdTileScheduler), key blocks numbered fastest, so under a causal mask (within a kv
 // head) the blocks that see the most queries go first; with an ordered dQ (p.dq_semaphore) the causal order turns
-// round (the shortest first), matching the order of the dQ additions; without a mask each block's steps may start at
-// a query block of its own (BwdParams::dq_rotation).
+// round (the shortest first), matching the order of the dQ additions.
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
 // query blocks on both sides; never with an ordered dQ but packed. kSequences: packed sequences, CTA = a slot of
 // packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA goes through the
 // sequence's own maps (sequences.h) at batch coordinate 0. Ordered, a sequence's key blocks add in ascending order
 // (their start order) into semaphores over packed.h's query slots, unless the host flagged cu_seqlens that break
 // their rules (the int after the semaphores), where a turn could go unreached: dQ then adds in any order.
-template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false, bool kRotated = false>
+template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>
 struct KeyBlock {
   static constexpr bool kPacked = kSequences;
-  static constexpr bool kRotates = kRotated;
-  static_assert(!kRotated || (!kCausal && !kOptions && !kSequences), "rotated starts: ordered dQ without a mask");
   int n_block, n_start, kv_head, batch, m_begin, m_end, num_m_blocks;
   int q_offset = 0, k_offset = 0, seq_len_q = 0, seq_len_k = 0;  // packed sequences: first rows and lengths
   int q_slot0 = 0;  // packed, ordered: the sequence's first query block in packed.h's slots
-  int rotation = 0;  // the query block (from m_begin) at which each head's steps start (BwdParams::dq_rotation)
-  bool ordered;      // dQ added in a fixed order (p.dq_semaphore)
+  bool ordered;     // dQ added in a fixed order (p.dq_semaphore)
 
   // Key blocks are numbered 0 .. num_blocks(p) - 1 (a grid of one CTA each, or the tiles of BwdTileScheduler).
   __host__ __device__ static int num_blocks(const BwdParams& p) {
@@ -95,7 +91,6 @@ struct KeyBlock {
     }
     // An idle slot (or, from cu_seqlens that break their rules, one before its sequence's first key).
     if (kSequences && (n_start < 0 || n_start >= len_k(p))) m_begin = m_end = 0;
-    if (kRotated) rotation = n_block * p.dq_rotation;
   }
   __device__ static int left(const BwdParams& p) { return kOptions ? p.window_left : -1; }
   __device__ static int right(const BwdParams& p) { return kCausal ? (kOptions ? p.window_right : 0) : -1; }
@@ -118,12 +113,7 @@ struct KeyBlock {
   __device__ int steps_per_head() const { return m_end - m_begin; }
   __device__ int num_steps(const BwdParams& p) const { return p.heads_per_kv * steps_per_head(); }
   __device__ int head(int step, const BwdParams& p) const { return kv_head * p.heads_per_kv + step / steps_per_head(); }
-  // A head's steps start at query block m_begin + rotation and wrap round (step g * steps_per_head() + i of head g).
-  __device__ int m_start(int step) const {
-    if constexpr (!kRotated) return (m_begin + step % steps_per_head()) * Traits::kBlockM;
-    const int i = step % steps_per_head() + rotation;
-    return (m_begin + (i < steps_per_head() ? i : i - steps_per_head())) * Traits::kBlockM;
-  }
+  __device__ int m_start(int step) const { return (m_begin + step % steps_per_head()) * Traits::kBlockM; }
   // Offset of the step's head in the (B, H, Lq) row arrays, or (H, total_q) packed: lse, delta, (times D) dq_accum.
   __device__ int64_t row_base(int step, const BwdParams& p) const {
     if constexpr (kSequences) return static_cast<int64_t>(head(step, p)) * p.len_q + q_offset;
@@ -136,22 +126,16 @@ struct KeyBlock {
   }
 
   // Ordered dQ: how many key blocks add into query block m before this one. Without a mask every key block adds, in
-  // ascending order (the CTAs' launch order), or rotated in the order their steps reach m (block n's start at query
-  // block n * dq_rotation: the last block that starts at or below m first, down to 0, then from the highest down);
-  // under a causal mask the blocks that see m do, highest first: key block n sees m iff n * kBlockN - (Lk - Lq) <
-  // (m + 1) * kBlockM (the m_begin rule above). Packed: the blocks that see m are consecutive from the first whose last
-  // key reaches m's first query's left edge (the m_end rule), ascending.
+  // ascending order (the CTAs' launch order); under a causal mask the blocks that see m do, highest first: key block
+  // n sees m iff n * kBlockN - (Lk - Lq) < (m + 1) * kBlockM (the m_begin rule above). Packed: the blocks that see m
+  // are consecutive from the first whose last key reaches m's first query's left edge (the m_end rule), ascending.
   __device__ int dq_turn(int m_block, const BwdParams& p) const {
     if constexpr (kSequences) {
       return n_block - first_key_block(m_block * Traits::kBlockM, seq_len_k - seq_len_q, left(p), Traits::kBlockN);
     }
-    if (!kCausal && (!kRotated || p.dq_rotation == 0)) return n_block;
-    const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
-    if (!kCausal) {  // rotated: in the order the blocks reach m, from the last that starts at or below it
-      const int below = min(m_block / p.dq_rotation + 1, num_n_blocks);  // blocks 0 .. below - 1 start there
-      return n_block < below ? below - 1 - n_block : below + num_n_blocks - 1 - n_block;
-    }
+    if (!kCausal) return n_block;
     const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q);
+    const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
     const int64_t seeing = (reach + Traits::kBlockN - 1) / Traits::kBlockN;  // reach > 0 where this block sees m
     return static_cast<int>(seeing < num_n_blocks ? seeing : num_n_blocks) - 1 - n_block;
   }
@@ -370,7 +354,8 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
   int step = first_step;
   for (int g = 0; g < p.heads_per_kv; ++g) {
     const int head = block.kv_head * p.heads_per_kv + g;
-    const auto load_step = [&](int m_block) {
+#pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
+    for (int m_block = block.m_begin; m_block < block.m_end; ++m_block, ++step) {
       const int m_start = m_block * Traits::kBlockM;
       const int stage = step % Traits::kStages, use = step / Traits::kStages;
       if (use > 0) mbarrier_wait(&smem.q_empty[stage], (use - 1) & 1);
@@ -387,15 +372,6 @@ __device__ __forceinline__ void run_bwd_producer(const Storage& smem, const CUte
                     m_start, head, batch);
       }
       if (step == first_step) load_kv();  // the first step's Q and dO may load while the last block ends
-      ++step;
-    };
-    // KeyBlock::m_start's order: from query block m_begin + rotation to the last, then from m_begin.
-    const int m_first = block.m_begin + (Block::kRotates ? block.rotation : 0);
-#pragma unroll 1  // unrolled, the loop's precomputed addresses spill the producer's 24 registers
-    for (int m_block = m_first; m_block < block.m_end; ++m_block) load_step(m_block);
-    if constexpr (Block::kRotates) {
-#pragma unroll 1
-      for (int m_block = block.m_begin; m_block < m_first; ++m_block) load_step(m_block);
     }
   }
 }

@@ -151,7 +151,7 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
   }
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences, bool kRotated>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
 
-  using Block = KeyBlock<Traits, kCausal, kOptions, kSequences, kRotated>;
+  using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
   const int num_blocks = Block::num_blocks(p);
 
   extern __shared__ unsigned char smem_raw[];
@@ -452,10 +452,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
 // the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
 // another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with kOptions): packed
-// sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first). kRotated: the ordered dQ
-// without a mask from staggered starts (params.dq_rotation > 0); a variant of its own, as the rotation's few
-// instructions per step cost the unordered kernels 3-6%.
-template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences, bool kRotated>
+// sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
+template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kSequences || kOptions, "packed sequences run in the options variants");
   using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
@@ -480,9 +478,9 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   }
   const auto kernel = [] {
     if constexpr (HeadDim == 256) {
-      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kOptions, kSequences, kRotated>;
+      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     } else {
-      return flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences, kRotated>;
+      return flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     }
   }();
   if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;

@@ -148,7 +148,7 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
   store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.v, p.dv, 0, threadIdx.x - 128);
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences, bool kRotated>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHalf = Traits::kHalf;
 
-  using Block = KeyBlock<Traits, kCausal, kOptions, kSequences, kRotated>;
+  using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
   const Block block(p, static_cast<int>(blockIdx.x));
   const int n_start = block.n_start;
   const int causal_shift = block.len_k(p) - block.len_q(p);

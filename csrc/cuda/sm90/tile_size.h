@@ -60,18 +60,6 @@ constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim) {
   return {block_m, kernel_head_dim == 256 ? 64 : 128, block_m * kernel_head_dim / (64 * 64)};
 }
 
-// Ordered dQ without a mask: key block n of a head starts its steps at query block n * rotation and wraps round, so
-// that a head's key blocks, started together, reach each dQ tile `rotation` steps apart and add in that order (in
-// ascending order from one start each waited for the additions of the blocks before it: D128 L1k 0.85x of the
-// unordered kernel, rotated 0.97x). A block then waits for higher ones, so a head's key blocks must all run at once:
-// only where they fit twice into the grid bound (else 0: ascending, where a block waits only for blocks started
-// before it). The bits then depend on the grid bound (the SM count) besides the inputs.
-constexpr int bwd_dq_rotation(int kernel_head_dim, int64_t len_q, int64_t len_k, int max_ctas) {
-  const BwdTileShape tile = bwd_tile_shape(kernel_head_dim);
-  const int64_t m = (len_q + tile.block_m - 1) / tile.block_m, n = (len_k + tile.block_n - 1) / tile.block_n;
-  return n > 0 && n <= m && 2 * n <= max_ctas ? static_cast<int>(m / n) : 0;
-}
-
 // Packed sequences: their lengths stay on the device, so the shape of short sequences (two consumers under a causal
 // mask at D64, whose tiles then start at row 0; 64-key blocks at D256).
 constexpr FwdTileShape fwd_sequences_tile_shape(int kernel_head_dim, bool causal) {
