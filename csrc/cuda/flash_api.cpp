@@ -493,6 +493,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   params.dq_accum = dq_accum.data_ptr<float>();
   params.dq_semaphore = deterministic ? dq_semaphore.data_ptr<int>() : nullptr;
   set_bwd_schedule(params, tile_counter);
+  if (deterministic && path == BwdPath::kSm90) {
+    params.ordered_interleave = sm90::bwd_ordered_interleave(
+        sm90_kernel_head_dim(bucket), causal, s.len_q, params.heads_per_kv,
+        at::cuda::getCurrentDeviceProperties()->l2CacheSize);
+  }
   params.dk = dk.data_ptr();
   params.dv = dv.data_ptr();
   const cudaError_t err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal,

@@ -38,7 +38,8 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // A block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Blocks start in index order (a
 // CTA each, or taken in turn from BwdTileScheduler), key blocks numbered fastest, so under a causal mask (within a kv
 // head) the blocks that see the most queries go first; with an ordered dQ (p.dq_semaphore) the causal order turns
-// round (the shortest first), matching the order of the dQ additions.
+// round (the shortest first), matching the order of the dQ additions. Without a mask, p.ordered_interleave pairs
+// take turns, so that a block starts that many CTAs after the one whose additions it waits for (always an earlier one).
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
 // query blocks on both sides; never with an ordered dQ but packed. kSequences: packed sequences, CTA = a slot of
 // packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA goes through the
@@ -73,9 +74,17 @@ struct KeyBlock {
       ordered = p.dq_semaphore != nullptr;
       const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
       n_block = index % num_n_blocks;
+      int pair = index / num_n_blocks;  // (batch, kv head)
       if (kCausal && p.dq_semaphore != nullptr) n_block = num_n_blocks - 1 - n_block;
-      kv_head = (index / num_n_blocks) % p.heads_kv;
-      batch = index / num_n_blocks / p.heads_kv;
+      if (!kCausal && ordered && p.ordered_interleave > 1) {  // groups of pairs (the last may be smaller), in turn
+        const int group = index / (p.ordered_interleave * num_n_blocks);
+        const int pairs = min(p.ordered_interleave, p.batch * p.heads_kv - group * p.ordered_interleave);
+        const int within = index - group * p.ordered_interleave * num_n_blocks;
+        n_block = within / pairs;
+        pair = group * p.ordered_interleave + within % pairs;
+      }
+      kv_head = pair % p.heads_kv;
+      batch = pair / p.heads_kv;
     }
     n_start = n_block * Traits::kBlockN;
     num_m_blocks = (len_q(p) + Traits::kBlockM - 1) / Traits::kBlockM;

@@ -60,6 +60,16 @@ constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim) {
   return {block_m, kernel_head_dim == 256 ? 64 : 128, block_m * kernel_head_dim / (64 * 64)};
 }
 
+// Ordered dQ without a mask at D256 (a CTA per key block): how many (batch, kv head) pairs take turns in blockIdx, so
+// that a key block starts that many CTAs after the one whose additions it waits for; as many as keep their Q, dO and
+// dq_accum (8 bytes per element) within a third of L2 (interleaving 8 at every length lost 25% at L16k), at most 8.
+constexpr int bwd_ordered_interleave(int kernel_head_dim, bool causal, int64_t len_q, int heads_per_kv,
+                                     int64_t l2_bytes) {
+  if (kernel_head_dim != 256 || causal) return 1;
+  const int64_t fit = l2_bytes / 3 / (8 * len_q * kernel_head_dim * heads_per_kv);
+  return fit < 1 ? 1 : fit > 8 ? 8 : static_cast<int>(fit);
+}
+
 // Packed sequences: their lengths stay on the device, so the shape of short sequences (two consumers under a causal
 // mask at D64, whose tiles then start at row 0; 64-key blocks at D256).
 constexpr FwdTileShape fwd_sequences_tile_shape(int kernel_head_dim, bool causal) {
@@ -69,6 +79,12 @@ constexpr FwdTileShape fwd_sequences_tile_shape(int kernel_head_dim, bool causal
 static_assert(fwd_tile_shape(64, false, 100, 100).consumers == 3, "D64 without a mask: three consumers");
 static_assert(fwd_tile_shape(64, true, 1024, 1024).block_m == 192, "long causal D64: three consumers");
 static_assert(fwd_tile_shape(64, true, 1023, 4096).block_m == 128, "short causal D64: two");
+static_assert(bwd_ordered_interleave(256, false, 1024, 1, 50 << 20) == 8 &&
+                  bwd_ordered_interleave(256, false, 4096, 1, 50 << 20) == 2 &&
+                  bwd_ordered_interleave(256, false, 16384, 1, 50 << 20) == 1 &&
+                  bwd_ordered_interleave(256, true, 1024, 1, 50 << 20) == 1 &&
+                  bwd_ordered_interleave(128, false, 1024, 1, 50 << 20) == 1,
+              "ordered D256 without a mask: 8 pairs in turn at L1k, 2 at L4k, none from L8k");
 static_assert(fwd_tile_shape(256, false, 4096, 512).block_n == 64 && fwd_tile_shape(256, false, 1, 513).block_n == 80,
               "D256 without a mask: 64-key blocks up to 512 keys");
 
