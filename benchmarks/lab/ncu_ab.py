@@ -60,7 +60,7 @@ def launch(args, shapes):
                    for _ in range(3))
         grad_out = torch.randn_like(q)
         for _ in range(1 + args.launches):
-            out = flashattn_ext.flash_attn(q, k, v, causal=causal, window_size=args.window)
+            out = flashattn_ext.flash_attn(q, k, v, causal=causal, window_size=args.window, softcap=args.softcap)
             if args.backward:
                 torch.autograd.grad(out, (q, k, v), grad_out)
         torch.cuda.synchronize()
@@ -91,7 +91,8 @@ def profile(args, build_dir):
     cmd = [ncu, "--csv", "--metrics", "gpu__time_duration.sum", "-k", kernel_regex, sys.executable,
            str(Path(__file__).resolve()), "--launch", "--shapes", args.shapes, "--launches", str(args.launches),
            "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--dtype", args.dtype,
-           f"--window={args.window[0]},{args.window[1]}"]  # one token: "-1,-1" would read as an option
+           f"--window={args.window[0]},{args.window[1]}",  # one token: "-1,-1" would read as an option
+           "--softcap", str(args.softcap)]
     if args.backward:
         cmd.append("--backward")
     if args.deterministic:
@@ -116,6 +117,7 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--window", type=window_arg, default=(-1, -1), metavar="L,R",
                         help="a sliding window for every shape (the options kernels; -1: unbounded on that side)")
+    parser.add_argument("--softcap", type=float, default=0.0, help="cap the scores: C * tanh(score / C)")
     parser.add_argument("--fwd-sm90", default="strict", help="FLASHATTN_FWD_SM90 for the runs (strict: Hopper only)")
     parser.add_argument("--backward", action="store_true",
                         help="time the Hopper backward kernel of a forward + backward call instead of the forward")

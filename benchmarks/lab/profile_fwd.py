@@ -33,6 +33,7 @@ def main():
     parser.add_argument("--backward", action="store_true", help="each call also runs the backward for a random dout")
     parser.add_argument("--window", default="-1,-1", metavar="L,R",
                         help="a sliding window for our calls (the options kernels; SDPA's run without it)")
+    parser.add_argument("--softcap", type=float, default=0.0, help="cap our scores: C * tanh(score / C)")
     args = parser.parse_args()
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -43,7 +44,7 @@ def main():
                                requires_grad=args.backward) for _ in range(3))
         dout = torch.randn_like(q)
         for _ in range(2):  # the first SDPA call also builds cuDNN's graph; profile the second with -s or -c
-            outputs = [flashattn_ext.flash_attn(q, k, v, args.causal, window_size=window)]
+            outputs = [flashattn_ext.flash_attn(q, k, v, args.causal, window_size=window, softcap=args.softcap)]
             with sdpa_kernel(BACKENDS[args.backend]):
                 outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=args.causal))
             if args.backward:

@@ -57,7 +57,7 @@ def test_profile_times_the_kernels_of_the_mode(ncu_ab, monkeypatch, backward, de
     monkeypatch.setattr(ncu_ab.subprocess, "run", fake_run)
     args = types.SimpleNamespace(fwd_sm90="strict", bwd_sm90="strict", kernel_regex=None, backward=backward,
                                  shapes="128:nc:1024,256:c:8192", launches=3, tokens=16384, hidden=2048, dtype="bf16",
-                                 timeout=10, deterministic=deterministic, window=(1024, 0))
+                                 timeout=10, deterministic=deterministic, window=(1024, 0), softcap=30.0)
     assert ncu_ab.profile(args, "/tmp/build") == ncu_ab.launch_times(NCU_CSV)
     cmd = seen["cmd"]
     regex = cmd[cmd.index("-k") + 1]
@@ -66,6 +66,7 @@ def test_profile_times_the_kernels_of_the_mode(ncu_ab, monkeypatch, backward, de
     assert ("--deterministic" in cmd) == deterministic
     assert cmd[cmd.index("--shapes") + 1] == "128:nc:1024,256:c:8192"
     assert "--window=1024,0" in cmd
+    assert cmd[cmd.index("--softcap") + 1] == "30.0"
     assert seen["env"]["PYTHONPATH"] == str(Path("/tmp/build").resolve())
     assert seen["env"]["FLASHATTN_FWD_SM90"] == "strict" and seen["env"]["FLASHATTN_BWD_SM90"] == "strict"
 

@@ -42,6 +42,7 @@
 #include "cuda/ptx_common.h"
 #include "cuda/sm90/bwd_common.h"
 #include "cuda/sm90/bwd_split_kernel.h"
+#include "cuda/sm90/mask.h"
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/sequences.h"
@@ -283,18 +284,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       };
 
       if constexpr (kOptions) {
-        // Masked: queries past Lq, keys past Lk, and outside the band (causal: key > query + shift).
+        // Masked: queries past Lq, keys past Lk, and outside the band (key > query + shift + right cuts the step's
+        // columns from below, key < query + shift - left, Lq and Lk from above); only steps at an edge test them, each
+        // entry against the bounds that cut the step (mask.h: fill_outside).
         const int left = Block::left(p), right = Block::right(p);
-        const bool needs_mask = m_start + kBlockM > block.len_q(p) || n_start + kBlockN > block.len_k(p) ||
-                                (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
-                                (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
-        // Entries outside the band; only blocks at an edge test them (without softcap in a branch of its own, which
-        // interior blocks skip; with it the branch's extra live registers spill at D64).
-        const auto masked = [&](int col, int i) {
-          const int key = key0 + 8 * (i / 2);
-          const int query = m_start + col;
-          return query >= block.len_q(p) || key >= block.len_k(p) ||
-                 (right >= 0 && key > query + causal_shift + right) || (left >= 0 && key < query + causal_shift - left);
+        const int len_q = block.len_q(p), len_k = block.len_k(p);
+        const int edges =
+            (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right ? kLowEdge : 0) |
+            (m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
+                     (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left)
+                 ? kHighEdge
+                 : 0);
+        // The visible queries of the thread's keys h (key0 + 8 h): columns first[h] .. last[h] of the step, counted
+        // from the lane's first.
+        const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
+          const int lane_query = m_start + 2 * (lane % 4);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int key = key0 + 8 * h;
+            first[h] = (right >= 0 ? key - causal_shift - right : 0) - lane_query;
+            last[h] = (key >= len_k ? -1 : left >= 0 ? min(len_q - 1, key - causal_shift + left) : len_q - 1) -
+                      lane_query;
+          }
         };
         if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
           wgmma_wait<1>();
@@ -302,20 +313,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           delta.load(smem.delta + stats_offset, lane);
           const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
           __half2 t[kBlockM / 4];
+          // The mask inside the loop, in a copy of its own for edge steps: a separate pass after it keeps more
+          // registers live, which spills at D64.
+          const auto capped_probabilities = [&](auto masked) {
+            int first[2], last[2];
+            if constexpr (decltype(masked)::value) band_cols(first, last);
 #pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
+            for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float pair[2];
+              for (int h = 0; h < 2; ++h) {
+                float pair[2];
 #pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int i = 2 * h + c, col = 8 * j + 2 * (lane % 4) + c;
-                pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
-                s[4 * j + i] =
-                    needs_mask && masked(col, i) ? 0.f : fast_exp2(fmaf(pair[c], cap_log2, -lse_log2.at(j, i)));
+                for (int c = 0; c < 2; ++c) {
+                  const int i = 2 * h + c, col = 8 * j + c;
+                  pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
+                  const float prob = fast_exp2(fmaf(pair[c], cap_log2, -lse_log2.at(j, i)));
+                  if constexpr (decltype(masked)::value) {
+                    s[4 * j + i] = col < first[h] || col > last[h] ? 0.f : prob;
+                  } else {
+                    s[4 * j + i] = prob;
+                  }
+                }
+                t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
               }
-              t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
             }
+          };
+          if (edges != 0) {
+            capped_probabilities(std::true_type{});
+          } else {
+            capped_probabilities(std::false_type{});
           }
           wgmma_wait<0>();
           wgmma_fence_registers(dp);
@@ -342,16 +368,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[4 * j + i] = fast_exp2(fmaf(s[4 * j + i], p.scale_log2, -lse_log2.at(j, i)));
           }
-          if (needs_mask) {
-#pragma unroll
-            for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                if (masked(8 * j + 2 * (lane % 4) + i % 2, i)) s[4 * j + i] = 0.f;
-              }
-            }
+          if (edges != 0) {
+            int first[2], last[2];
+            band_cols(first, last);
+            fill_outside(s, first, last, edges, 0.f);
           }
-
           ds_from_dp();
         }
       } else {  // as the options branch without softcap, with the causal mask alone
@@ -449,9 +470,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 }
 
 // Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
-// file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched nothing, when
-// the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may then use
-// another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with kOptions): packed
+// file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched
+// nothing, when the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may
+// then use another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with kOptions): packed
 // sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {

@@ -354,8 +354,13 @@ struct FwdConsumer {
   __device__ void mma(const TileT& tile, ConsumerTile& ct, float (&o)[kHeadDim / 2], RowSoftmax<kBlockN>& softmax,
                       Epilogue& epilogue) {
     const int n_end = ct.n_end, my_n_end = ct.my_n_end, q_stage = ct.q_stage, q_barrier = ct.q_barrier;
-    const auto needs_mask = [&](int n_start) {
-      return Mask::needs_mask(n_start, tile.m_start, causal_shift, tile.len_k(p), p);
+    // The bounds that cut the block at n_start (BandEdge bits with a band; else whether it needs the mask at all).
+    const auto edges = [&](int n_start) -> int {
+      if constexpr (kBand) {
+        return Mask::edges(n_start, tile.m_start, causal_shift, tile.len_k(p), p);
+      } else {
+        return Mask::needs_mask(n_start, tile.m_start, causal_shift, tile.len_k(p), p);
+      }
     };
 
     float s[kBlockN / 2];
@@ -397,7 +402,7 @@ struct FwdConsumer {
     cap(s);
     // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
     // under either rule): no lazy test, which here only costs registers.
-    softmax.template update<false, kBand>(s, scale_log2, negate, needs_mask(first_start), first_col, last_col,
+    softmax.template update<false, kBand>(s, scale_log2, negate, edges(first_start), first_col, last_col,
                                           rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V
 
@@ -432,7 +437,7 @@ struct FwdConsumer {
       bool moved;
       if constexpr (kOptimisticExp) {
         float block_sum[2];
-        const bool fits = softmax.template exp_against_reference<kBand>(s, scale_log2, negate, needs_mask(n_start),
+        const bool fits = softmax.template exp_against_reference<kBand>(s, scale_log2, negate, edges(n_start),
                                                                         first_col, last_col, block_sum);
         moved = !warpgroup_all(fits, Barrier::vote(consumer));
         if (!moved) {
@@ -444,12 +449,12 @@ struct FwdConsumer {
           wgmma_wait<0>();
           wgmma_fence_registers(s);
           cap(s);
-          softmax.template update<false, kBand>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col,
+          softmax.template update<false, kBand>(s, scale_log2, negate, edges(n_start), first_col, last_col,
                                                 rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
       } else {
-        moved = softmax.template update<true, kBand>(s, scale_log2, negate, needs_mask(n_start), first_col, last_col,
+        moved = softmax.template update<true, kBand>(s, scale_log2, negate, edges(n_start), first_col, last_col,
                                                      rescale);
       }
       if constexpr (Traits::kSoftmaxUnderPV) {

@@ -1,8 +1,9 @@
-// The Hopper forward's mask: which key blocks a tile and a consumer's rows see (the n-block range) and which scores of
-// a block are masked (the element mask). Bottom-right causal: query i sees key j iff j <= i + L_k - L_q. The options
-// variants (Traits::kOptions) take a band instead: i + shift - left <= j <= i + shift + right (shift = L_k - L_q),
-// right = -1 unbounded in the non-causal variant, left = -1 unbounded. L_q and L_k are the tile's (Tile::len_q, len_k):
-// the call's, or its sequence's.
+// The Hopper kernels' masks. FwdMask: which key blocks a forward tile and a consumer's rows see (the n-block range)
+// and which scores of a block are masked (the element mask). Bottom-right causal: query i sees key j iff
+// j <= i + L_k - L_q. The options variants (Traits::kOptions) take a band instead: i + shift - left <= j <= i + shift +
+// right (shift = L_k - L_q), right = -1 unbounded in the non-causal variant, left = -1 unbounded. L_q and L_k are the
+// tile's (Tile::len_q, len_k): the call's, or its sequence's. fill_outside: the element mask of a band's edge block,
+// forward and backward alike.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +13,41 @@
 #include "cuda/params.h"
 
 namespace flashattn::sm90 {
+
+// The bounds of a row's visible columns that cut into a block (warp-uniform bits): a band's edge block is cut by one,
+// a block narrower than the band or at L_q / L_k by both.
+enum BandEdge : int { kLowEdge = 1, kHighEdge = 2 };
+
+// Entries of an accumulator block in wgmma layout (x[4 j + 2 h + c]: the thread's row h, column 8 j + c counted from
+// the lane's first) outside first[h] .. last[h] become `fill`, one comparison per entry and bound tested.
+template <bool kLow, bool kHigh, int kRegs>
+__device__ __forceinline__ void fill_outside_bounds(float (&x)[kRegs], const int (&first)[2], const int (&last)[2],
+                                                    float fill) {
+#pragma unroll
+  for (int j = 0; j < kRegs / 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = 8 * j + c;
+        if ((kLow && col < first[h]) || (kHigh && col > last[h])) x[4 * j + 2 * h + c] = fill;
+      }
+    }
+  }
+}
+
+// The same for the bounds named in `edges` (BandEdge bits; 0: nothing to do).
+template <int kRegs>
+__device__ __forceinline__ void fill_outside(float (&x)[kRegs], const int (&first)[2], const int (&last)[2], int edges,
+                                             float fill) {
+  if (edges == (kLowEdge | kHighEdge)) {
+    fill_outside_bounds<true, true>(x, first, last, fill);
+  } else if (edges == kLowEdge) {
+    fill_outside_bounds<true, false>(x, first, last, fill);
+  } else if (edges == kHighEdge) {
+    fill_outside_bounds<false, true>(x, first, last, fill);
+  }
+}
 
 template <typename Traits, bool kCausal>
 struct FwdMask {
@@ -45,6 +81,14 @@ struct FwdMask {
     return n_start + Traits::kBlockN > len_k ||
            (right(p) >= 0 && n_start + Traits::kBlockN - 1 > m_start + causal_shift + right(p)) ||
            (left(p) >= 0 && n_start < m_start + Traits::kBlockM - 1 + causal_shift - left(p));
+  }
+
+  // The same as BandEdge bits: the band's left edge cuts the columns from below, the right edge and L_k from above.
+  __device__ static int edges(int n_start, int m_start, int causal_shift, int len_k, const FwdParams& p) {
+    const bool high = n_start + Traits::kBlockN > len_k ||
+                      (right(p) >= 0 && n_start + Traits::kBlockN - 1 > m_start + causal_shift + right(p));
+    const bool low = left(p) >= 0 && n_start < m_start + Traits::kBlockM - 1 + causal_shift - left(p);
+    return (low ? kLowEdge : 0) | (high ? kHighEdge : 0);
   }
 
   // The first and last key column each of the thread's two rows (row_in_tile, + 8) may see, relative to the block at

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "cuda/ptx_common.h"
+#include "cuda/sm90/mask.h"
 
 namespace flashattn::sm90 {
 
@@ -30,21 +31,31 @@ struct RowSoftmax {
   float row_sum[2] = {0.f, 0.f};
 
   // Masks a block of scores (mask.h gives first_col and last_col: the key columns row h may see, relative to the block
-  // and this lane's first column, first_col only with a band's left edge, kBand; needs_mask false skips the
-  // comparisons) and, with a negative scale, negates them, so that the maxima below are maxima of scale * score.
+  // and this lane's first column, first_col only with a band's left edge, kBand) where `edges` says a bound cuts the
+  // block (BandEdge bits with kBand; else any nonzero value tests last_col, 0 skips the comparisons) and, with a
+  // negative scale, negates them, so that the maxima below are maxima of scale * score.
   template <bool kBand>
-  __device__ __forceinline__ static void mask(float (&s)[kBlockN / 2], bool negate, bool needs_mask,
+  __device__ __forceinline__ static void mask(float (&s)[kBlockN / 2], bool negate, int edges,
                                               const int (&first_col)[2], const int (&last_col)[2]) {
-    if (needs_mask || negate) {
+    if constexpr (kBand) {
+      if (negate) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < kBlockN / 2; ++i) s[i] = -s[i];
+      }
+      fill_outside(s, first_col, last_col, edges, -INFINITY);
+    } else {
+      const bool needs_mask = edges != 0;
+      if (needs_mask || negate) {
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
+        for (int h = 0; h < 2; ++h) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& x = s[4 * j + 2 * h + c];
-            if (negate) x = -x;
-            if (needs_mask && (8 * j + c > last_col[h] || (kBand && 8 * j + c < first_col[h]))) x = -INFINITY;
+          for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float& x = s[4 * j + 2 * h + c];
+              if (negate) x = -x;
+              if (needs_mask && 8 * j + c > last_col[h]) x = -INFINITY;
+            }
           }
         }
       }
@@ -72,9 +83,9 @@ struct RowSoftmax {
   // then either adds block_sum (accept) or recomputes S (s is spent) and takes update<false>.
   template <bool kBand>
   __device__ __forceinline__ bool exp_against_reference(float (&s)[kBlockN / 2], float scale_log2, bool negate,
-                                                        bool needs_mask, const int (&first_col)[2],
+                                                        int edges, const int (&first_col)[2],
                                                         const int (&last_col)[2], float (&block_sum)[2]) const {
-    mask<kBand>(s, negate, needs_mask, first_col, last_col);
+    mask<kBand>(s, negate, edges, first_col, last_col);
     bool fits = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -89,10 +100,10 @@ struct RowSoftmax {
   // the factor the old O rows must be multiplied by. kLazy: the reference moves only past kLazyRescaleLog2; returns
   // whether one of the thread's rows moved.
   template <bool kLazy, bool kBand>
-  __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, bool needs_mask,
+  __device__ __forceinline__ bool update(float (&s)[kBlockN / 2], float scale_log2, bool negate, int edges,
                                          const int (&first_col)[2], const int (&last_col)[2], float (&rescale)[2]) {
     bool moved = false;
-    mask<kBand>(s, negate, needs_mask, first_col, last_col);
+    mask<kBand>(s, negate, edges, first_col, last_col);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float block_max = row_max[h];
