@@ -295,17 +295,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                      (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left)
                  ? kHighEdge
                  : 0);
-        // The visible queries of the thread's keys h (key0 + 8 h): columns first[h] .. last[h] of the step, counted
-        // from the lane's first.
         const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
-          const int lane_query = m_start + 2 * (lane % 4);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int key = key0 + 8 * h;
-            first[h] = (right >= 0 ? key - causal_shift - right : 0) - lane_query;
-            last[h] = (key >= len_k ? -1 : left >= 0 ? min(len_q - 1, key - causal_shift + left) : len_q - 1) -
-                      lane_query;
-          }
+          band_query_cols(key0, m_start + 2 * (lane % 4), causal_shift, left, right, len_q, len_k, first, last);
         };
         if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
           wgmma_wait<1>();

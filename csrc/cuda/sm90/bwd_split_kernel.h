@@ -30,6 +30,7 @@
 #include "cuda/params.h"
 #include "cuda/ptx_common.h"
 #include "cuda/sm90/bwd_common.h"
+#include "cuda/sm90/mask.h"
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/tile_size.h"
@@ -239,7 +240,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       wgmma_wait<0>();
       wgmma_fence_registers(acc);
       if constexpr (kOptions) {
-        // Masked: queries past Lq, keys past Lk, and outside the band; only blocks at an edge test them.
+        // Masked: queries past Lq, keys past Lk, and outside the band; only blocks at an edge test them, in a copy of
+        // the loop of their own, each entry against its key's visible columns (mask.h: band_query_cols).
         const int len_q = block.len_q(p), len_k = block.len_k(p);
         const int left = Block::left(p), right = Block::right(p);
         const bool needs_mask = m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
@@ -248,20 +250,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const bool capped = p.softcap > 0.f;
         const float cap_scale = capped ? p.scale / p.softcap : 0.f;
         const float exp_scale = capped ? p.softcap * 1.4426950408889634f : p.scale_log2;
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int col = 8 * j + 2 * (lane % 4) + i % 2;
-            const int key = key0 + 8 * (i / 2), query = m_start + col;
-            const float t = capped ? fast_tanh(acc[4 * j + i] * cap_scale) : acc[4 * j + i];
-            const bool masked = needs_mask && (query >= len_q || key >= len_k ||
-                                               (right >= 0 && key > query + causal_shift + right) ||
-                                               (left >= 0 && key < query + causal_shift - left));
-            const float prob = masked ? 0.f : fast_exp2(fmaf(t, exp_scale, -smem.lse_log2[col]));
-            acc[4 * j + i] = prob;
-            smem.p_exact[(4 * j + i) * 128 + thread] = capped ? prob * (1.f - t * t) : prob;  // dS from fp32 P
+        const auto probabilities = [&](auto masked) {
+          int first[2], last[2];
+          if constexpr (decltype(masked)::value) {
+            band_query_cols(key0, m_start + 2 * (lane % 4), causal_shift, left, right, len_q, len_k, first, last);
           }
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int col = 8 * j + 2 * (lane % 4) + i % 2;
+              const float t = capped ? fast_tanh(acc[4 * j + i] * cap_scale) : acc[4 * j + i];
+              float prob = fast_exp2(fmaf(t, exp_scale, -smem.lse_log2[col]));
+              if constexpr (decltype(masked)::value) {
+                if (8 * j + i % 2 < first[i / 2] || 8 * j + i % 2 > last[i / 2]) prob = 0.f;
+              }
+              acc[4 * j + i] = prob;
+              smem.p_exact[(4 * j + i) * 128 + thread] = capped ? prob * (1.f - t * t) : prob;  // dS from fp32 P
+            }
+          }
+        };
+        if (needs_mask) {
+          probabilities(std::true_type{});
+        } else {
+          probabilities(std::false_type{});
         }
         store_swizzled_tile<T, kBlockM>(smem.p, acc, warp, lane);  // the A operand of dV += P^T dO
       } else {

@@ -49,6 +49,19 @@ __device__ __forceinline__ void fill_outside(float (&x)[kRegs], const int (&firs
   }
 }
 
+// The backward's frame (S^T: the thread's keys key0 + 8 h are its rows h, a step's queries its columns): the columns
+// each key sees, counted from the lane's first query (lane_query). A band's right edge (key > query + shift + right)
+// bounds them from below; its left edge (key < query + shift - left), L_q and L_k from above.
+__device__ __forceinline__ void band_query_cols(int key0, int lane_query, int causal_shift, int left, int right,
+                                                int len_q, int len_k, int (&first)[2], int (&last)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key0 + 8 * h;
+    first[h] = (right >= 0 ? key - causal_shift - right : 0) - lane_query;
+    last[h] = (key >= len_k ? -1 : left >= 0 ? min(len_q - 1, key - causal_shift + left) : len_q - 1) - lane_query;
+  }
+}
+
 template <typename Traits, bool kCausal>
 struct FwdMask {
   __device__ static int left(const FwdParams& p) { return Traits::kOptions ? p.window_left : -1; }
