@@ -146,6 +146,18 @@ def test_softcap_peaked_profile(device, dtype):
     assert (out.float() - plain.float()).abs().max() > 0.1, "the cap must change a peaked softmax"
 
 
+@pytest.mark.parametrize("softcap", [40.0, 41.0], ids=["cap40", "cap41"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.float16, torch.bfloat16])
+def test_softcap_rows_far_below_the_cap(device, dtype, head_dim, softcap):
+    # Every capped score far below the cap (-40 to -19 at cap 40): exponentials against a reference at the cap are
+    # near 2^-100, and they still weigh the keys.
+    scale = 0.125
+    q, k, v = make_qkv(1, 2, 2, 64, 256, head_dim, torch.float32, device)
+    q, k = steer_scores(q, k, torch.linspace(-175, -55, 256, device=device), scale)
+    run_fwd(q.to(dtype), k.to(dtype), v.to(dtype), False, scale, (-1, -1), softcap)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("softcap", [1.0, 30.0], ids=["cap1", "cap30"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -14,7 +14,10 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "cuda/params.h"
 #include "cuda/ptx_common.h"
@@ -261,6 +264,14 @@ struct FwdConsumer {
 
   // Options: the scores become tanh(scale * q.k / softcap), which the softmax takes times softcap (> 0).
   __device__ static bool softcapped(const FwdParams& params) { return Traits::kOptions && params.softcap > 0.f; }
+  // Softcap up to kFixedReferenceMaxSoftcap with bf16 P: every row's reference is 1 (softmax.h).
+  __device__ bool fixed_reference() const {
+    if constexpr (Traits::kOptions && std::is_same_v<T, __nv_bfloat16>) {
+      return p.softcap > 0.f && p.softcap <= kFixedReferenceMaxSoftcap;
+    } else {
+      return false;
+    }
+  }
   __device__ void cap(float (&s)[kBlockN / 2]) const {
     if constexpr (Traits::kOptions) {
       if (softcapped(p)) {
@@ -363,6 +374,9 @@ struct FwdConsumer {
       }
     };
 
+    // A fixed reference: the first block's max cannot pass it, the later blocks' exponentials always fit (no vote).
+    const bool fixed_reference = this->fixed_reference();
+    if (fixed_reference) softmax.row_max[0] = softmax.row_max[1] = 1.f;
     float s[kBlockN / 2];
     uint32_t p_frag[kBlockN / 16][4];
     float rescale[2];
@@ -439,7 +453,7 @@ struct FwdConsumer {
         float block_sum[2];
         const bool fits = softmax.template exp_against_reference<kBand>(s, scale_log2, negate, edges(n_start),
                                                                         first_col, last_col, block_sum);
-        moved = !warpgroup_all(fits, Barrier::vote(consumer));
+        moved = !fixed_reference && !warpgroup_all(fits, Barrier::vote(consumer));
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
           softmax.row_sum[1] += block_sum[1];

@@ -18,6 +18,10 @@ inline constexpr float kLazyRescaleLog2 = 8.f;
 // With ExpPolicy::kOptimistic a block's exponentials against the unmoved reference stand while each row's sum over
 // the thread's columns stays below this (2^14): every exponential then fits in fp16 (65504) as well as bf16 and fp32.
 inline constexpr float kOptimisticSumLimit = 16384.f;
+// Softcapped scores are tanh values (at most 1, the softmax takes them times softcap): up to this softcap a reference
+// of 1 keeps every exponential, down to 2^(-2 softcap log2 e) > 2^-126, a normal float and bf16 (fp16 P would lose
+// them), so no row's reference ever moves.
+inline constexpr float kFixedReferenceMaxSoftcap = 40.f;
 
 // The exponentials' base in log2 units for a row whose reference max is `reference`: 0 for a row that has seen no key
 // (-inf), so its exponentials stay 0 rather than NaN.
