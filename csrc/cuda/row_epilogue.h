@@ -37,9 +37,10 @@ __device__ __forceinline__ float add_sink(float sink, float& base_log2, float& s
 }
 
 // The natural-log lse of a finished row, from the base its exponentials were taken against (log2 units) and their
-// sum. A row without keys: -inf. A row with keys sums to at least 1 (its max contributes exp2(0)) unless a score was
-// NaN or +inf (NaN sum, from inf - inf) or every score was -inf (sum 0); softmax is NaN there, and so is the lse:
-// -inf always means "no key", and the backward turns a NaN row's gradients into NaN, not 0.
+// sum. A row without keys: -inf. A row with keys sums to more than 0 (at least 1 against its own max, 2^-116 against
+// a fixed softcap reference) unless a score was NaN or +inf (NaN sum, from inf - inf) or every score was -inf (sum 0);
+// softmax is NaN there, and so is the lse: -inf always means "no key", and the backward turns a NaN row's gradients
+// into NaN, not 0.
 __device__ __forceinline__ float row_lse(bool sees_keys, float base_log2, float sum) {
   constexpr float kLn2 = 0.6931471805599453f;
   if (!sees_keys) return -CUDART_INF_F;

@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                  ? kHighEdge
                  : 0);
         const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
-          band_query_cols(key0, m_start + 2 * (lane % 4), causal_shift, left, right, len_q, len_k, first, last);
+          band_query_cols(key0, m_start + 2 * (lane % 4), left, right, len_q, len_k, first, last);
         };
         if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
           wgmma_wait<1>();
@@ -463,8 +463,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
 // file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched
 // nothing, when the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may
-// then use another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with kOptions): packed
-// sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
+// then use another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with
+// kOptions): packed sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kSequences || kOptions, "packed sequences run in the options variants");

@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const auto probabilities = [&](auto masked) {
           int first[2], last[2];
           if constexpr (decltype(masked)::value) {
-            band_query_cols(key0, m_start + 2 * (lane % 4), causal_shift, left, right, len_q, len_k, first, last);
+            band_query_cols(key0, m_start + 2 * (lane % 4), left, right, len_q, len_k, first, last);
           }
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {

@@ -415,7 +415,7 @@ struct FwdConsumer {
     Mask::cols(first_start, tile.m_start, row_in_block0, causal_shift, tile.len_k(p), lane, p, first_col, last_col);
     cap(s);
     // The first block moves the reference of every row that sees a key off -inf (rows that see none stay at -inf
-    // under either rule): no lazy test, which here only costs registers.
+    // under either rule; a fixed reference stays): no lazy test, which here only costs registers.
     softmax.template update<false, kBand>(s, scale_log2, negate, edges(first_start), first_col, last_col,
                                           rescale);
     pack_a<T, kBlockN>(p_frag, s);  // P as the A operand of P V

@@ -15,7 +15,7 @@
 namespace flashattn::sm90 {
 
 // The bounds of a row's visible columns that cut into a block (warp-uniform bits): a band's edge block is cut by one,
-// a block narrower than the band or at L_q / L_k by both.
+// a block wider than the band or at L_q / L_k by both.
 enum BandEdge : int { kLowEdge = 1, kHighEdge = 2 };
 
 // Entries of an accumulator block in wgmma layout (x[4 j + 2 h + c]: the thread's row h, column 8 j + c counted from
@@ -51,14 +51,15 @@ __device__ __forceinline__ void fill_outside(float (&x)[kRegs], const int (&firs
 
 // The backward's frame (S^T: the thread's keys key0 + 8 h are its rows h, a step's queries its columns): the columns
 // each key sees, counted from the lane's first query (lane_query). A band's right edge (key > query + shift + right)
-// bounds them from below; its left edge (key < query + shift - left), L_q and L_k from above.
-__device__ __forceinline__ void band_query_cols(int key0, int lane_query, int causal_shift, int left, int right,
-                                                int len_q, int len_k, int (&first)[2], int (&last)[2]) {
+// bounds them from below; its left edge (key < query + shift - left), L_q and L_k from above. Terms grouped so that
+// no sum leaves int for lengths below 2^31 (key - L_k <= 0, left <= L_k - 2, right <= L_q - 2).
+__device__ __forceinline__ void band_query_cols(int key0, int lane_query, int left, int right, int len_q, int len_k,
+                                                int (&first)[2], int (&last)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int key = key0 + 8 * h;
-    first[h] = (right >= 0 ? key - causal_shift - right : 0) - lane_query;
-    last[h] = (key >= len_k ? -1 : left >= 0 ? min(len_q - 1, key - causal_shift + left) : len_q - 1) - lane_query;
+    const int key = key0 + 8 * h;  // key - shift = (key - L_k) + L_q
+    first[h] = (right >= 0 ? max(0, (key - len_k) + (len_q - right)) : 0) - lane_query;
+    last[h] = (key >= len_k ? -1 : left >= 0 ? len_q + min(-1, (key - len_k) + left) : len_q - 1) - lane_query;
   }
 }
 
