@@ -365,14 +365,7 @@ struct FwdConsumer {
   __device__ void mma(const TileT& tile, ConsumerTile& ct, float (&o)[kHeadDim / 2], RowSoftmax<kBlockN>& softmax,
                       Epilogue& epilogue) {
     const int n_end = ct.n_end, my_n_end = ct.my_n_end, q_stage = ct.q_stage, q_barrier = ct.q_barrier;
-    // The bounds that cut the block at n_start (BandEdge bits with a band; else whether it needs the mask at all).
-    const auto edges = [&](int n_start) -> int {
-      if constexpr (kBand) {
-        return Mask::edges(n_start, tile.m_start, causal_shift, tile.len_k(p), p);
-      } else {
-        return Mask::needs_mask(n_start, tile.m_start, causal_shift, tile.len_k(p), p);
-      }
-    };
+    const auto edges = [&](int n_start) { return Mask::edges(n_start, tile.m_start, causal_shift, tile.len_k(p), p); };
 
     // A fixed reference: the first block's max cannot pass it, the later blocks' exponentials always fit (no vote).
     const bool fixed_reference = this->fixed_reference();

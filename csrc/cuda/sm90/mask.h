@@ -88,16 +88,9 @@ struct FwdMask {
                                        : n_end;
   }
 
-  // Whether the block starting at key n_start needs the element mask: it reaches past L_k, past the right edge of the
-  // tile's first row, or before the left edge of its last row (rows before 0 or past L_q: more blocks masked, never
-  // fewer).
-  __device__ static bool needs_mask(int n_start, int m_start, int causal_shift, int len_k, const FwdParams& p) {
-    return n_start + Traits::kBlockN > len_k ||
-           (right(p) >= 0 && n_start + Traits::kBlockN - 1 > m_start + causal_shift + right(p)) ||
-           (left(p) >= 0 && n_start < m_start + Traits::kBlockM - 1 + causal_shift - left(p));
-  }
-
-  // The same as BandEdge bits: the band's left edge cuts the columns from below, the right edge and L_k from above.
+  // The bounds that cut the block starting at key n_start (BandEdge bits; 0: no element mask): L_k or the right edge of
+  // the tile's first row from above, the left edge of its last row from below (rows before 0 or past L_q: more blocks
+  // masked, never fewer).
   __device__ static int edges(int n_start, int m_start, int causal_shift, int len_k, const FwdParams& p) {
     const bool high = n_start + Traits::kBlockN > len_k ||
                       (right(p) >= 0 && n_start + Traits::kBlockN - 1 > m_start + causal_shift + right(p));
