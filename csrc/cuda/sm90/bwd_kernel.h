@@ -289,12 +289,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // entry against the bounds that cut the step (mask.h: fill_outside).
         const int left = Block::left(p), right = Block::right(p);
         const int len_q = block.len_q(p), len_k = block.len_k(p);
-        const int edges =
-            (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right ? kLowEdge : 0) |
-            (m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
-                     (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left)
-                 ? kHighEdge
-                 : 0);
+        const int edges = band_step_edges<kBlockM, kBlockN>(m_start, n_start, causal_shift, left, right, len_q, len_k);
         const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
           band_query_cols(key0, m_start + 2 * (lane % 4), left, right, len_q, len_k, first, last);
         };

@@ -244,9 +244,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // the loop of their own, each entry against its key's visible columns (mask.h: band_query_cols).
         const int len_q = block.len_q(p), len_k = block.len_k(p);
         const int left = Block::left(p), right = Block::right(p);
-        const bool needs_mask = m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
-                                (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
-                                (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+        const bool needs_mask =
+            band_step_edges<kBlockM, kBlockN>(m_start, n_start, causal_shift, left, right, len_q, len_k) != 0;
         const bool capped = p.softcap > 0.f;
         const float cap_scale = capped ? p.scale / p.softcap : 0.f;
         const float exp_scale = capped ? p.softcap * 1.4426950408889634f : p.scale_log2;

@@ -63,6 +63,18 @@ __device__ __forceinline__ void band_query_cols(int key0, int lane_query, int le
   }
 }
 
+// The bounds that cut the backward step of queries m_start .. + kBlockM against keys n_start .. + kBlockN, in the
+// backward's frame (BandEdge bits of band_query_cols' bounds; 0: no element mask): the band's right edge from below,
+// its left edge, L_q and L_k from above.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int band_step_edges(int m_start, int n_start, int causal_shift, int left, int right,
+                                               int len_q, int len_k) {
+  const bool low = right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right;
+  const bool high = m_start + kBlockM > len_q || n_start + kBlockN > len_k ||
+                    (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+  return (low ? kLowEdge : 0) | (high ? kHighEdge : 0);
+}
+
 template <typename Traits, bool kCausal>
 struct FwdMask {
   __device__ static int left(const FwdParams& p) { return Traits::kOptions ? p.window_left : -1; }
