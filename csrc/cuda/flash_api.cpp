@@ -442,15 +442,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   const bool options = mods.window() || mods.softcap > 0.0;
   const bool causal = options ? mods.right >= 0 : mods.causal();
   const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
-  // The fused kernels add dQ up across CTAs in an order that varies, except with dQ semaphores: the Hopper kernels'
-  // without options, and the sm80 sequences variant's (any band) up to its largest bucket. deterministic=True takes
-  // one of those, else the chunked backward.
-  const bool sm90_ordered_dq = wants_sm90 && !options;
+  // The fused kernels add dQ up in a fixed order under deterministic=True (dQ semaphores): the Hopper kernels, and the
+  // sm80 kernel's sequences variant (any band) up to its largest bucket.
   const bool fused_sm80 = bucket <= kMaxFusedBwdSm80Bucket;
   if (!wants_sm90 && !fused_sm80) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
-  if (deterministic && !sm90_ordered_dq && !fused_sm80) {
-    return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
-  }
   const at::Tensor dout_rows = with_aligned_rows(dout);
   const bool is_bf16 = q.scalar_type() == at::kBFloat16;
   BwdParams params = make_bwd_inputs(dout_rows, q, k, v, s, softmax_scale);
@@ -459,9 +454,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   TORCH_CHECK(sw.bwd_sm90 != Sm90Use::kStrict || !wants_sm90 || sm90_maps,
               "flashattn.bwd: FLASHATTN_BWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k, v or dout)");
-  const BwdPath path = sm90_maps && (!deterministic || sm90_ordered_dq) ? BwdPath::kSm90
-                       : fused_sm80                                        ? BwdPath::kSm80
-                                                                           : BwdPath::kChunked;
+  const BwdPath path = sm90_maps ? BwdPath::kSm90 : fused_sm80 ? BwdPath::kSm80 : BwdPath::kChunked;
   if (path == BwdPath::kChunked) return bwd_chunked(dout, q, k, v, out, lse, dlse, s, mods, softmax_scale);
   // Deterministic on the sm80 kernel: its sequences variant (the band carries causal) with ordered dQ.
   const bool sm80_ordered_dq = path == BwdPath::kSm80 && deterministic;

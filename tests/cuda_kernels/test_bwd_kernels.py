@@ -75,6 +75,7 @@ def small_grid_cases():
         (128, torch.float16, (1, 4, 2, 200, 1100), dict(causal=True), True),
         (128, torch.bfloat16, (2, 2, 1, 1000, 260), dict(causal=True), False),
         (128, torch.bfloat16, (1, 4, 2, 100, 1000), dict(causal=True, window_size=(32, 0)), False),
+        (128, torch.bfloat16, (1, 4, 2, 900, 1000), dict(window_size=(200, 50), softcap=10.0), True),
         (64, torch.bfloat16, (1, 4, 4, 513, 513), dict(window_size=(-1, 16)), False),
     ]
     for head_dim, dtype, (batch, heads, heads_kv, len_q, len_k), kwargs, deterministic in dense:
@@ -114,5 +115,5 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
                 torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
         if op == "bwd":
             dout, q, k, v = args[:4]
-            mods = {key: kwargs[key] for key in ("causal", "window_size") if key in kwargs}
+            mods = {key: kwargs[key] for key in ("causal", "window_size", "softcap") if key in kwargs}
             assert_grads_close(small, q, k, v, dout, kwargs["dlse"], **mods)

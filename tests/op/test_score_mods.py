@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashattn_ext
+from isolated import run_isolated
 from reference import (
     assert_attention_close,
     assert_grads_close,
@@ -261,6 +262,63 @@ def test_combinations_deterministic(device, dtype, combo, deterministic_algorith
     for a, b, c in zip(first, second, unordered):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2)
+
+
+DETERMINISTIC_MODS = {  # id: (causal, window, softcap)
+    "causal-window": (True, (127, 0), 0.0),
+    "two-sided": (False, (64, 200), 0.0),
+    "left-only": (False, (300, -1), 0.0),
+    "softcap": (True, (-1, -1), 30.0),
+}
+
+
+@pytest.mark.parametrize("mods", list(DETERMINISTIC_MODS))
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize(
+    "shape", [(2, 8, 2, 1000, 1100), (1, 4, 4, 1500, 700), (1, 2, 1, 300, 2300)], ids=["gqa", "lq-gt-lk", "lq-lt-lk"]
+)
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+def test_deterministic_options_many_key_blocks(device, dtype, mods, head_dim, shape, deterministic_algorithms):
+    # Up to 36 key blocks add into a dQ block, from the band's first to its last (on Hopper in the kernels' fixed
+    # order: highest first under a right edge): every run the same bits, and the gradients right.
+    causal, window, softcap = DETERMINISTIC_MODS[mods]
+    batch, heads, heads_kv, len_q, len_k = shape
+    q, k, v = leaves(*make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, dtype, device))
+    out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal, None, window, softcap)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    runs = [torch.autograd.grad((out, lse), (q, k, v), (dout, dlse), retain_graph=True) for _ in range(3)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a, b), "two deterministic backward runs differ"
+    assert_grads_close(runs[0], q, k, v, dout, dlse, causal, None, window, softcap)
+
+
+def deterministic_option_grads(q, k, v, dout, dlse, window, softcap):
+    """flashattn.bwd's gradients under deterministic algorithms (for run_isolated, under the caller's switches)."""
+    torch.use_deterministic_algorithms(True)
+    out, lse = fwd(q, k, v, False, None, list(window), softcap)
+    return bwd(dout, q, k, v, out, lse, False, None, dlse, True, list(window), softcap)
+
+
+@pytest.mark.parametrize("window,softcap", [((100, 0), 0.0), ((-1, -1), 20.0)], ids=["window", "softcap"])
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+def test_deterministic_options_take_the_hopper_kernel(device, dtype, head_dim, window, softcap):
+    # Deterministic windows and softcap run the Hopper kernels' ordered dQ, not the portable kernel's or the chunked
+    # backward: the paths add in different orders, so their bits differ while all are right.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's ordered dQ")
+    q, k, v = make_qkv(1, 4, 2, 700, 900, head_dim, dtype, device)
+    out, _ = fwd(q, k, v, False, None, list(window), softcap)
+    dout, dlse = torch.randn_like(out), torch.randn(out.shape[:3], device=device)
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    args = (q, k, v, dout, dlse, window, softcap)
+    hopper = run_isolated(dict(env, FLASHATTN_BWD_SM90="strict"), "op.test_score_mods", "deterministic_option_grads",
+                          *args)
+    other = run_isolated(dict(env, FLASHATTN_BWD_SM90="0"), "op.test_score_mods", "deterministic_option_grads", *args)
+    assert not torch.equal(hopper[0], other[0]), "dq came from the same path twice"
+    for a, b in zip(hopper, other):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 
 def test_reference_agrees_with_sdpa_mask():

@@ -41,11 +41,11 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // round (the shortest first), matching the order of the dQ additions. Without a mask, p.ordered_interleave pairs
 // take turns, so that a block starts that many CTAs after the one whose additions it waits for (always an earlier one).
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
-// query blocks on both sides; never with an ordered dQ but packed. kSequences: packed sequences, CTA = a slot of
-// packed.h's grid over each kv head's keys; rows and keys count from the sequence's first, and TMA goes through the
-// sequence's own maps (sequences.h) at batch coordinate 0. Ordered, a sequence's key blocks add in ascending order
-// (their start order) into semaphores over packed.h's query slots, unless the host flagged cu_seqlens that break
-// their rules (the int after the semaphores), where a turn could go unreached: dQ then adds in any order.
+// query blocks on both sides. kSequences: packed sequences, CTA = a slot of packed.h's grid over each kv head's keys;
+// rows and keys count from the sequence's first, and TMA goes through the sequence's own maps (sequences.h) at batch
+// coordinate 0. Ordered, a sequence's key blocks add in ascending order (their start order) into semaphores over
+// packed.h's query slots, unless the host flagged cu_seqlens that break their rules (the int after the semaphores),
+// where a turn could go unreached: dQ then adds in any order.
 template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>
 struct KeyBlock {
   static constexpr bool kPacked = kSequences;
@@ -134,16 +134,16 @@ struct KeyBlock {
     return static_cast<int64_t>(p.heads) * packed_slots(p.len_q, p.batch, Traits::kBlockM) * Traits::kDqTiles;
   }
 
-  // Ordered dQ: how many key blocks add into query block m before this one. Without a mask every key block adds, in
-  // ascending order (the CTAs' launch order); under a causal mask the blocks that see m do, highest first: key block
-  // n sees m iff n * kBlockN - (Lk - Lq) < (m + 1) * kBlockM (the m_begin rule above). Packed: the blocks that see m
-  // are consecutive from the first whose last key reaches m's first query's left edge (the m_end rule), ascending.
+  // Ordered dQ: how many key blocks add into query block m before this one. The blocks that see m are consecutive
+  // (its rows' band is): from the first whose last key reaches the left edge of m's first row (the m_end rule), to
+  // the last that the right edge of m's last row reaches, key block n seeing m iff n * kBlockN - (Lk - Lq) - right <
+  // (m + 1) * kBlockM (the m_begin rule). Under a right edge (causal) they add highest first, as KeyBlock starts them
+  // (the shortest first); without one, and packed, ascending (the CTAs' launch order).
   __device__ int dq_turn(int m_block, const BwdParams& p) const {
-    if constexpr (kSequences) {
-      return n_block - first_key_block(m_block * Traits::kBlockM, seq_len_k - seq_len_q, left(p), Traits::kBlockN);
+    if (kSequences || !kCausal) {
+      return n_block - first_key_block(m_block * Traits::kBlockM, len_k(p) - len_q(p), left(p), Traits::kBlockN);
     }
-    if (!kCausal) return n_block;
-    const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q);
+    const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q) + right(p);
     const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
     const int64_t seeing = (reach + Traits::kBlockN - 1) / Traits::kBlockN;  // reach > 0 where this block sees m
     return static_cast<int>(seeing < num_n_blocks ? seeing : num_n_blocks) - 1 - n_block;

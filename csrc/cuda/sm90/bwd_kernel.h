@@ -458,8 +458,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
 // file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched
 // nothing, when the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may
-// then use another backward). kOptions: windows and softcap (ordered only with kSequences). kSequences (with
-// kOptions): packed sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
+// then use another backward). kOptions: windows and softcap. kSequences (with kOptions): packed sequences
+// (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kSequences || kOptions, "packed sequences run in the options variants");
