@@ -628,12 +628,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   const AttentionShape totals{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim};
   const ScoreMods mods = check_score_mods(q, totals, causal, window_size, softcap, sinks, op);
   const int bucket = built_bucket(vs.head_dim, op);
-  // Above the portable kernel's buckets only the Hopper kernel takes packed sequences; deterministic up to them the
-  // portable kernel (its ordered dQ), above the Hopper kernel's ordered dQ.
+  // Above the portable kernel's buckets only the Hopper kernel takes packed sequences. Both have an ordered dQ
+  // (deterministic).
   const Switches& sw = switches();
   const bool large = bucket > kMaxFusedBwdSm80Bucket;
-  const bool wants_sm90 =
-      sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket) && (!deterministic || large);
+  const bool wants_sm90 = sm90_device(q) && sw.bwd_sm90 != Sm90Use::kOff && sm90_bwd_covers(bucket);
   TORCH_CHECK(!large || wants_sm90, op, ": on CUDA the packed backward takes head dims above ",
               kMaxFusedBwdSm80Bucket, " only on Hopper (FLASHATTN_BWD_SM90 not 0); got head dim ", vs.head_dim);
 

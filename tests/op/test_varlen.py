@@ -456,8 +456,9 @@ def test_cuda_bad_cu_seqlens_never_fault():
 
 
 def ordered_head_dims():
-    """Head dims of the ordered packed backward's kernels: the portable one (64), Hopper's (192, in its D256 kernel)."""
-    return [64, pytest.param(192, marks=pytest.mark.skipif(
+    """Head dims of the ordered packed backward's kernels: 64 and 128 (Hopper's D64 / D128 kernel, the portable one
+    elsewhere), 192 (Hopper's D256 kernel; only Hopper takes it)."""
+    return [64, 128, pytest.param(192, marks=pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
         reason="the packed backward above D128 runs on Hopper"))]
 
@@ -532,6 +533,37 @@ def test_cuda_deterministic_backward(mods, head_dim, deterministic_algorithms):
     torch.use_deterministic_algorithms(False)
     unordered = packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs)
     for a, b in zip(alone[0], unordered):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def deterministic_packed_grads(pairs, head_dim, mods):
+    """The deterministic packed backward's (dq, dk, dv) twice (for run_isolated, under the caller's switches)."""
+    torch.manual_seed(0)
+    q, k, v, cu_q, cu_k = packed_inputs(pairs, 4, 2, head_dim, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    torch.use_deterministic_algorithms(True)
+    kwargs = mods_for(mods, 4, "cuda")
+    return [packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs) for _ in range(2)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mods", ["causal", "window"])
+def test_cuda_deterministic_backward_each_kernel(mods):
+    # On Hopper the packed ordered dQ runs in the TMA kernel (strict: it must take the call), its key blocks highest
+    # first under a right edge; the portable kernel's stays under FLASHATTN_BWD_SM90=0. Each gives the same bits
+    # twice; the two add in different orders, so their bits differ while both are right.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's ordered dQ")
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    pairs = MIXED + [(1000, 1000), (130, 1500)]
+    hopper = run_isolated(dict(env, FLASHATTN_BWD_SM90="strict"), "op.test_varlen", "deterministic_packed_grads",
+                          pairs, 128, mods)
+    portable = run_isolated(dict(env, FLASHATTN_BWD_SM90="0"), "op.test_varlen", "deterministic_packed_grads", pairs,
+                            128, mods)
+    for first, second in (hopper, portable):
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(hopper[0][0], portable[0][0]), "dq came from the same kernel twice"
+    for a, b in zip(hopper[0], portable[0]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
 

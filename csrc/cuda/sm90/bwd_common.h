@@ -43,9 +43,9 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
 // kOptions: a sliding window's band (BwdParams::window_left / window_right, causal meaning a right edge) bounds the
 // query blocks on both sides. kSequences: packed sequences, CTA = a slot of packed.h's grid over each kv head's keys;
 // rows and keys count from the sequence's first, and TMA goes through the sequence's own maps (sequences.h) at batch
-// coordinate 0. Ordered, a sequence's key blocks add in ascending order (their start order) into semaphores over
-// packed.h's query slots, unless the host flagged cu_seqlens that break their rules (the int after the semaphores),
-// where a turn could go unreached: dQ then adds in any order.
+// coordinate 0. Ordered, a sequence's key blocks add in their start order (highest first under a right edge, as dense
+// ones) into semaphores over packed.h's query slots, unless the host flagged cu_seqlens that break their rules (the
+// int after the semaphores), where a turn could go unreached: dQ then adds in any order.
 template <typename Traits, bool kCausal, bool kOptions = false, bool kSequences = false>
 struct KeyBlock {
   static constexpr bool kPacked = kSequences;
@@ -66,10 +66,12 @@ struct KeyBlock {
                                               Traits::kBlockN, index % slots);
       kv_head = index / slots;
       batch = b.batch;
-      n_block = b.block;
       k_offset = b.row, seq_len_k = b.len, q_offset = b.other_row, seq_len_q = b.other_len;
       q_slot0 = q_offset / Traits::kBlockM + b.batch;
       ordered = p.dq_semaphore != nullptr && __ldg(p.dq_semaphore + num_packed_semaphores(p)) == 0;
+      // Ordered under a right edge: the sequence's blocks highest first, as dense causal ones (an idle slot stays).
+      const int seq_blocks = (b.len + Traits::kBlockN - 1) / Traits::kBlockN;
+      n_block = kCausal && ordered && b.block < seq_blocks ? seq_blocks - 1 - b.block : b.block;
     } else {
       ordered = p.dq_semaphore != nullptr;
       const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -138,13 +140,13 @@ struct KeyBlock {
   // (its rows' band is): from the first whose last key reaches the left edge of m's first row (the m_end rule), to
   // the last that the right edge of m's last row reaches, key block n seeing m iff n * kBlockN - (Lk - Lq) - right <
   // (m + 1) * kBlockM (the m_begin rule). Under a right edge (causal) they add highest first, as KeyBlock starts them
-  // (the shortest first); without one, and packed, ascending (the CTAs' launch order).
+  // (the shortest first); without one ascending (the CTAs' launch order). Packed: within the sequence.
   __device__ int dq_turn(int m_block, const BwdParams& p) const {
-    if (kSequences || !kCausal) {
+    if (!kCausal) {
       return n_block - first_key_block(m_block * Traits::kBlockM, len_k(p) - len_q(p), left(p), Traits::kBlockN);
     }
-    const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (p.len_k - p.len_q) + right(p);
-    const int num_n_blocks = (p.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    const int64_t reach = static_cast<int64_t>(m_block + 1) * Traits::kBlockM + (len_k(p) - len_q(p)) + right(p);
+    const int num_n_blocks = (len_k(p) + Traits::kBlockN - 1) / Traits::kBlockN;
     const int64_t seeing = (reach + Traits::kBlockN - 1) / Traits::kBlockN;  // reach > 0 where this block sees m
     return static_cast<int>(seeing < num_n_blocks ? seeing : num_n_blocks) - 1 - n_block;
   }
