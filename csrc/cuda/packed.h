@@ -15,8 +15,8 @@ namespace flashattn {
 // Slots of a packed grid, per head: `total` rows in `batch` sequences, `block` rows per slot.
 __host__ __device__ inline int packed_slots(int total, int batch, int block) { return total / block + batch; }
 
-// Ordered dQ over packed sequences: the first block of block_n keys that sees the query rows from m_start on (the key
-// blocks that see them are consecutive from there); shift = the sequence's Lk - Lq, left < 0: no left edge.
+// Ordered dQ: the first block of block_n keys that sees the query rows from m_start on (the key blocks that see them
+// are consecutive from there); shift = Lk - Lq (a packed sequence's), left < 0: no left edge.
 __host__ __device__ inline int first_key_block(int m_start, int shift, int left, int block_n) {
   const int first_key = m_start + shift - left;
   return left < 0 || first_key <= 0 ? 0 : first_key / block_n;

@@ -84,7 +84,8 @@ def small_grid_cases():
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         cases.append(("bwd", (dout, q, k, v, out, lse), dict(kwargs, dlse=dlse, deterministic=deterministic),
                       deterministic))
-    packed = [(128, dict(causal=True), True), (64, dict(causal=True, window_size=(31, 0)), False)]
+    packed = [(128, dict(causal=True), True), (64, dict(causal=True, window_size=(31, 0)), False),
+              (64, dict(window_size=(40, 20)), True)]
     for head_dim, kwargs, deterministic in packed:
         q, k, v, cu_q, cu_k = packed_inputs(MIXED, 4, 2, head_dim, torch.bfloat16, "cuda")
         out, lse = torch.ops.flashattn.fwd_varlen(q, k, v, cu_q, cu_k, **kwargs)

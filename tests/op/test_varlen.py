@@ -46,6 +46,7 @@ MODS = {
     "causal": dict(causal=True),
     "window": dict(causal=True, window_size=(31, 0)),
     "two-sided": dict(window_size=(20, 10)),
+    "left-only": dict(window_size=(40, -1)),
     "softcap-sinks": dict(causal=True, softcap=5.0, sinks=True),
 }
 
@@ -512,7 +513,7 @@ def packed_grads(q, k, v, cu_q, cu_k, dout, **kwargs):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", ordered_head_dims())
-@pytest.mark.parametrize("mods", ["plain", "causal", "window"])
+@pytest.mark.parametrize("mods", ["plain", "causal", "window", "left-only"])
 def test_cuda_deterministic_backward(mods, head_dim, deterministic_algorithms):
     # dQ added in key-block order: every run the same bits, a sequence's gradients the same bits whatever else is
     # packed with it, and the values those of the default (unordered) backward.
@@ -547,7 +548,7 @@ def deterministic_packed_grads(pairs, head_dim, mods):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mods", ["causal", "window"])
+@pytest.mark.parametrize("mods", ["causal", "window", "left-only"])
 def test_cuda_deterministic_backward_each_kernel(mods):
     # On Hopper the packed ordered dQ runs in the TMA kernel (strict: it must take the call), its key blocks highest
     # first under a right edge; the portable kernel's stays under FLASHATTN_BWD_SM90=0. Each gives the same bits
