@@ -173,15 +173,16 @@ def main(argv=None):
             continue
         ms = statistics.median(times[impl])
         tflops = flops(lengths, args.heads, args.head_dim, causal, args.mode, impl) / ms / 1e9
-        rows.append(dict(impl=impl, ms=round(ms, 4), tflops=round(tflops, 1)))
+        rows.append(dict(impl=impl, head_dim=args.head_dim, heads=args.heads, heads_kv=heads_kv, causal=causal,
+                         deterministic=args.deterministic, ms=round(ms, 4), tflops=round(tflops, 1)))
         print(f"  {impl:12s} {ms:8.3f} ms  {tflops:6.1f} TFLOP/s")
     if "ours" in times and "varlen_attn" in times:
         ratio = statistics.median(times["varlen_attn"]) / statistics.median(times["ours"])
         print(f"  ours / varlen_attn: {ratio:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_varlen_{args.mode}{'_deterministic' if args.deterministic else ''}.csv"
+    path = args.out / f"bench_varlen_{args.mode}_d{args.head_dim}{'_deterministic' if args.deterministic else ''}.csv"
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["impl", "ms", "tflops"])
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["impl", "ms", "tflops"])
         writer.writeheader()
         writer.writerows(rows)
     if not args.no_plot and rows:
