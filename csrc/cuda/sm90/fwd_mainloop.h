@@ -116,6 +116,7 @@ struct FwdProducer {
   uint32_t o_in_k = 0, o_in_k_parity = 0;
   // K ahead of V: a block's V is requested after the next block's K; its first key row, kv head and batch (and map,
   // with packed sequences) wait here.
+  bool v_held = false;
   int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
   const CUtensorMap* held_v_map = nullptr;
 
@@ -153,6 +154,9 @@ struct FwdProducer {
       fence_tensormap_acquire(k_tile_map);
       fence_tensormap_acquire(v_tile_map);
     }
+    // A tile without key blocks loads nothing: the V held back goes now. The consumers still need it for the tile
+    // before, and the producer could otherwise wait to publish a later tile for readers that wait for that V.
+    if (n_end == n_begin) release_held_v();
     if (n_end > n_begin) {
       const int q_stage = q_loads % Traits::kQStages;
       const int q_use = q_loads / Traits::kQStages;
@@ -180,7 +184,8 @@ struct FwdProducer {
           tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c,
                       tile.key_start(n_block), tile.kv_head(p), batch);
         }
-        if (kv_loads > 0) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch);
+        release_held_v();
+        v_held = true;
         held_v_row = tile.key_start(n_block);
         held_v_head = tile.kv_head(p);
         held_v_batch = batch;
@@ -216,12 +221,15 @@ struct FwdProducer {
     if (Traits::kFirstOInK && n_end > n_begin) o_in_k |= 1u << ((kv_loads - 1) % kStages);
   }
 
-  // After the last tile: the V still held back.
-  __device__ void finish() {
+  // K ahead of V: the V held back (that of load kv_loads - 1), if any.
+  __device__ void release_held_v() {
     if constexpr (Traits::kLoadOrder == KvLoadOrder::kKAheadAcrossTiles) {
-      if (kv_loads > 0) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch);  // the last V
+      if (v_held) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch);
+      v_held = false;
     }
   }
+  // After the last tile: the V still held back.
+  __device__ void finish() { release_held_v(); }
   __device__ const CUtensorMap* held_map() const { return Traits::kSequences ? held_v_map : &v_map; }
 };
 
