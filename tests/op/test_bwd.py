@@ -338,11 +338,11 @@ def assert_same_bits(first, second):
                                  f"{int(rows.min())}..{int(rows.max())} of {a.shape[-2]}")
 
 
-def deterministic_gradients(q, k, v, dout, dlse, causal):
+def deterministic_gradients(q, k, v, dout, dlse, causal, window=(-1, -1), softcap=0.0):
     """flashattn.bwd's gradients with deterministic algorithms (for run_isolated, under the caller's switches)."""
     torch.use_deterministic_algorithms(True)
-    out, lse = fwd(q, k, v, causal)
-    return bwd(dout, q, k, v, out, lse, causal, None, dlse, True)
+    out, lse = fwd(q, k, v, causal, None, list(window), softcap)
+    return bwd(dout, q, k, v, out, lse, causal, None, dlse, True, list(window), softcap)
 
 
 @pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])

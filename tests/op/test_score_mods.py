@@ -293,13 +293,6 @@ def test_deterministic_options_many_key_blocks(device, dtype, mods, head_dim, sh
     assert_grads_close(runs[0], q, k, v, dout, dlse, causal, None, window, softcap)
 
 
-def deterministic_option_grads(q, k, v, dout, dlse, window, softcap):
-    """flashattn.bwd's gradients under deterministic algorithms (for run_isolated, under the caller's switches)."""
-    torch.use_deterministic_algorithms(True)
-    out, lse = fwd(q, k, v, False, None, list(window), softcap)
-    return bwd(dout, q, k, v, out, lse, False, None, dlse, True, list(window), softcap)
-
-
 @pytest.mark.parametrize("window,softcap", [((100, 0), 0.0), ((-1, -1), 20.0)], ids=["window", "softcap"])
 @pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
 @pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
@@ -312,10 +305,9 @@ def test_deterministic_options_take_the_hopper_kernel(device, dtype, head_dim, w
     out, _ = fwd(q, k, v, False, None, list(window), softcap)
     dout, dlse = torch.randn_like(out), torch.randn(out.shape[:3], device=device)
     env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    args = (q, k, v, dout, dlse, window, softcap)
-    hopper = run_isolated(dict(env, FLASHATTN_BWD_SM90="strict"), "op.test_score_mods", "deterministic_option_grads",
-                          *args)
-    other = run_isolated(dict(env, FLASHATTN_BWD_SM90="0"), "op.test_score_mods", "deterministic_option_grads", *args)
+    args = (q, k, v, dout, dlse, False, window, softcap)
+    hopper = run_isolated(dict(env, FLASHATTN_BWD_SM90="strict"), "op.test_bwd", "deterministic_gradients", *args)
+    other = run_isolated(dict(env, FLASHATTN_BWD_SM90="0"), "op.test_bwd", "deterministic_gradients", *args)
     assert not torch.equal(hopper[0], other[0]), "dq came from the same path twice"
     for a, b in zip(hopper, other):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
