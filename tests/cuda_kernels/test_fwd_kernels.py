@@ -65,6 +65,25 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
     run_and_check(q, k, v, causal)
 
 
+def causal_forward(q, k, v):
+    """flashattn.fwd under the causal mask, finished (for run_isolated, whose timeout ends a hang)."""
+    out, lse = fwd(q, k, v, True)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("len_q", [6000, 9000], ids=["zigzag", "counter"])
+def test_cuda_causal_many_tiles_without_keys_in_a_row(head_dim, len_q):
+    # Lq >> Lk: all but the last tile of each head see no key, so a persistent CTA takes a dozen keyless tiles in a row
+    # (in zigzag rounds at 47 query blocks a head, at the counter's end at 71), right after tiles whose last loads its
+    # consumers may still wait for (K ahead of V across tiles holds a tile's last V back until the next K).
+    q, k, v = make_qkv(2, 16, 8, len_q, 200, head_dim, torch.bfloat16, "cuda")
+    out, lse = run_isolated({}, "cuda_kernels.test_fwd_kernels", "causal_forward", q, k, v, timeout=180)
+    assert_attention_close(out, lse, q, k, v, causal=True)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [256, 200])
 @pytest.mark.parametrize(
