@@ -204,7 +204,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
       const bool needs_mask = n_start + kBlockN > len_k() ||
                               (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                               (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
+      // Softcap's factors, once a query block: formed per score, the division cost a MUFU.RCP each.
       const bool softcap = kOptions && p.softcap > 0.f;
+      const float cap_scale = softcap ? p.scale / p.softcap : 0.f, cap_log2 = softcap ? p.softcap * kLog2e : 0.f;
       uint32_t p_frag[kQTiles][2];
       uint32_t ds_frag[kQTiles][2];
 #pragma unroll
@@ -217,8 +219,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             const int i = 2 * half + c;
             const int query = qt * 8 + 2 * (lane % 4) + c;  // inside the query block
             float tanh_score = 0.f;
-            if (softcap) tanh_score = fast_tanh(acc_s[qt][i] * (p.scale / p.softcap));
-            float prob = softcap ? fast_exp2(fmaf(tanh_score, p.softcap * kLog2e, -s_lse[query]))
+            if (softcap) tanh_score = fast_tanh(acc_s[qt][i] * cap_scale);
+            float prob = softcap ? fast_exp2(fmaf(tanh_score, cap_log2, -s_lse[query]))
                                  : fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
             if (needs_mask) {
               const int key = n_start + key_row0 + lane / 4 + 8 * half;
