@@ -100,8 +100,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[Traits::kHeadDim / 2], uint3
 // ---- producer -------------------------------------------------------------------------------------------------------
 
 // One thread: Q of each tile with at least one key block (kQParts boxes, each part waiting for its own release), then
-// its K/V blocks in the order of Traits::kLoadOrder. K and V of a block go into the same stage index; each waits only
-// for its own "empty" barrier. With O staged in a V (or K) stage, that stage is reloaded only once the O has left.
+// its K/V blocks in the order of Traits::kLoadOrder. K and V of a block go into the same stage index, except with K a
+// block ahead across tiles, whose K ring has a stage more (kKStages); each waits only for its own "empty" barrier. With
+// O staged in a V (or K) stage, that stage is reloaded only once the O has left.
 template <typename T, typename Traits>
 struct FwdProducer {
   static constexpr int kStages = Traits::kStages;
