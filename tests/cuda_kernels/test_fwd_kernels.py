@@ -65,13 +65,6 @@ def test_cuda_short_tiles_back_to_back(head_dim, causal, len_k):
     run_and_check(q, k, v, causal)
 
 
-def causal_forward(q, k, v):
-    """flashattn.fwd under the causal mask, finished (for run_isolated, whose timeout ends a hang)."""
-    out, lse = fwd(q, k, v, True)
-    torch.cuda.synchronize()
-    return out, lse
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("len_q", [8192, 9000], ids=["zigzag", "counter"])
@@ -80,7 +73,9 @@ def test_cuda_causal_many_tiles_without_keys_in_a_row(head_dim, len_q):
     # (in zigzag rounds at 64 query blocks a head, at the counter's end at 71), right after tiles whose last loads its
     # consumers may still wait for (K ahead of V across tiles holds a tile's last V back until the next K).
     q, k, v = make_qkv(2, 16, 8, len_q, 200, head_dim, torch.bfloat16, "cuda")
-    out, lse = run_isolated({}, "cuda_kernels.test_fwd_kernels", "causal_forward", q, k, v, timeout=180)
+    # In a process of its own, whose timeout ends a hang.
+    [(out, lse, _)] = run_isolated({}, "cuda_kernels.schedule_runs", "forward_each", [(q, k, v, True, None)],
+                                   timeout=180)
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 
