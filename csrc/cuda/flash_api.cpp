@@ -469,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
   at::Tensor dq_semaphore;
   if (deterministic) {
     const bool sm90 = path == BwdPath::kSm90;
-    const sm90::BwdTileShape tile = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
+    const sm90::BwdTileShape tile = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket), causal || options);
     const int64_t block_m = sm90 ? tile.block_m : sm80::kBwdBlockM;
     dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? tile.dq_tiles : 1},
                              q.options().dtype(at::kInt));
@@ -697,7 +697,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   // no synchronisation).
   at::Tensor dq_semaphore;
   if (deterministic) {
-    const sm90::BwdTileShape hopper = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket));
+    const sm90::BwdTileShape hopper = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket), /*masked=*/true);
     const int block_m = sm90 ? hopper.block_m : sm80::kBwdBlockM;
     const int64_t tiles = sm90 ? hopper.dq_tiles : 1;
     const int64_t num_semaphores = vs.heads * packed_slots(vs.total_q, vs.batch, block_m) * tiles;

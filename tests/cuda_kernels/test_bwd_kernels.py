@@ -42,6 +42,15 @@ def test_cuda_grads_match_cpu(dtype, causal, head_dim, len_q, len_k):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("len_q,len_k", [(80, 80), (81, 300), (159, 129), (1025, 1025)])
+def test_cuda_grads_match_cpu_query_tiles(dtype, len_q, len_k):
+    # D128 without a mask takes 80 queries a step on Hopper (dQ computed transposed): one tile exactly, a partial
+    # last one, and many.
+    test_cuda_grads_match_cpu(dtype, False, 128, len_q, len_k)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("head_dim", CUDA_HEAD_DIMS + [40, 72, 200])
 def test_cuda_grads_match_cpu_head_dims(head_dim):
     dtype = torch.bfloat16

@@ -5,6 +5,10 @@
 //   tma_probe:   one TMA box load of a (rows x 64) tile into shared memory, returned raw (swizzled).
 //   transposed_a_probe: the backward's P^T / dS^T paths: an accumulator stored by the threads into a swizzled tile
 //                (store_swizzled_tile), then read by wgmma as an M-major (transposed) A and as a K-major A.
+//   transposed_dq_probe: the backward's 80-query dQ path: an accumulator (64 x 80) packed as A registers, stored
+//                transposed by stmatrix (store_transposed_tile) as a K-major [80][64] tile, read by wgmma as B against
+//                an M-major A (dQ^T = K^T dS^T), and that fp32 result stored transposed into the dQ boxes
+//                (store_transposed_fp32_tile).
 //   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h, as the plan of fwd_plan.h runs it) on contiguous bf16 (B, H, L, D) inputs.
 //   tma_negative_rows_probe: a TMA box load at a negative row (the first tile of a head starts there in the
 //                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
@@ -276,6 +280,74 @@ std::vector<torch::Tensor> transposed_a_probe(torch::Tensor x, torch::Tensor y, 
   return {acc, out, tile, out_k_major};
 }
 
+// acc = X Y^T (X: 64 x 64, Y: 80 x 64; SS with N = 80), packed and stored transposed into `tile` ([80][64], 128-byte
+// swizzle) as the backward stores dS; then out = Z^T acc (Z: 64 x 64 read as an M-major A, the tile as the K-major
+// B), as its dQ^T = K^T dS^T, and out stored transposed into two fp32 [80][32] boxes (`boxes`). Returns acc, the raw
+// tile, out and the raw boxes.
+__global__ void __launch_bounds__(128) transposed_dq_probe_kernel(const T* x, const T* y, const T* z, float* acc_out,
+                                                                  T* tile_out, float* out, float* boxes_out) {
+  constexpr int kM = 80;
+  __shared__ __align__(1024) T sX[64 * 64];
+  __shared__ __align__(1024) T sY[kM * 64];
+  __shared__ __align__(1024) T sZ[64 * 64];
+  __shared__ __align__(1024) T tile[kM * 64];
+  __shared__ __align__(1024) float boxes[2 * kM * 32];
+  store_swizzled(sX, x, 64, 64);
+  store_swizzled(sY, y, kM, 64);
+  store_swizzled(sZ, z, 64, 64);
+  flashattn::sm90::fence_proxy_async_smem();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  float acc[kM / 2];
+  flashattn::sm90::wgmma_fence_registers(acc);
+  flashattn::sm90::wgmma_fence();
+  for (int kk = 0; kk < 4; ++kk) {
+    Wgmma<T, kM>::ss<false>(acc, flashattn::sm90::smem_desc_sw128(sX + kk * 16),
+                            flashattn::sm90::smem_desc_sw128(sY + kk * 16), kk > 0);
+  }
+  flashattn::sm90::wgmma_commit();
+  flashattn::sm90::wgmma_wait<0>();
+  flashattn::sm90::wgmma_fence_registers(acc);
+  store_accumulator<kM>(acc_out, acc);
+
+  uint32_t a[kM / 16][4];
+  flashattn::sm90::pack_a<T, kM>(a, acc);
+  flashattn::sm90::store_transposed_tile<T, kM>(tile, a, warp, lane);
+  flashattn::sm90::fence_proxy_async_smem();
+  __syncthreads();
+  for (int i = threadIdx.x; i < kM * 64; i += blockDim.x) tile_out[i] = tile[i];
+
+  float o[kM / 2];
+  flashattn::sm90::wgmma_fence_registers(o);
+  flashattn::sm90::wgmma_fence();
+  for (int kk = 0; kk < 4; ++kk) {  // k16 steps down Z's rows and along the tile's
+    Wgmma<T, kM>::ss<false, true>(o, flashattn::sm90::smem_desc_sw128(sZ + kk * 16 * 64),
+                                  flashattn::sm90::smem_desc_sw128(tile + kk * 16), kk > 0);
+  }
+  flashattn::sm90::wgmma_commit();
+  flashattn::sm90::wgmma_wait<0>();
+  flashattn::sm90::wgmma_fence_registers(o);
+  store_accumulator<kM>(out, o);
+
+  flashattn::sm90::store_transposed_fp32_tile<kM>(boxes, o, warp, lane);
+  __syncthreads();
+  for (int i = threadIdx.x; i < 2 * kM * 32; i += blockDim.x) boxes_out[i] = boxes[i];
+}
+
+std::vector<torch::Tensor> transposed_dq_probe(torch::Tensor x, torch::Tensor y, torch::Tensor z) {
+  const auto f32 = x.options().dtype(torch::kFloat);
+  auto acc = torch::empty({64, 80}, f32), out = torch::empty({64, 80}, f32), boxes = torch::empty({2, 80, 32}, f32);
+  auto tile = torch::empty({80, 64}, x.options());
+  transposed_dq_probe_kernel<<<1, 128>>>(reinterpret_cast<const T*>(x.data_ptr()),
+                                         reinterpret_cast<const T*>(y.data_ptr()),
+                                         reinterpret_cast<const T*>(z.data_ptr()), acc.data_ptr<float>(),
+                                         reinterpret_cast<T*>(tile.data_ptr()), out.data_ptr<float>(),
+                                         boxes.data_ptr<float>());
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "transposed_dq_probe launch failed");
+  return {acc, tile, out, boxes};
+}
+
 std::vector<torch::Tensor> attention_probe(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal) {
   auto out = torch::empty_like(q);
   auto lse = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(torch::kFloat));
@@ -447,6 +519,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgmma_probe", &wgmma_probe);
   m.def("tma_probe", &tma_probe);
   m.def("transposed_a_probe", &transposed_a_probe);
+  m.def("transposed_dq_probe", &transposed_dq_probe);
   m.def("attention_probe", &attention_probe);
   m.def("tma_negative_rows_probe", &tma_negative_rows_probe);
   m.def("merge_split_tile_probe", &merge_split_tile_probe);

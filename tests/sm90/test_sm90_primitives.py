@@ -137,6 +137,33 @@ def test_threads_store_a_swizzled_tile_that_wgmma_reads_as_a(probe):
     torch.testing.assert_close(out_k_major, rounded.float() @ z.float().T, rtol=1e-4, atol=2e-2)  # dV += P^T dO's A
 
 
+def swizzle_128b_fp32(tile: torch.Tensor) -> torch.Tensor:
+    """(rows, 32) fp32 tile -> the 128-byte swizzle: 16-byte chunk c (4 floats) of row r stored at chunk c ^ (r % 8)."""
+    rows = tile.shape[0]
+    chunks = tile.reshape(rows, 8, 4)
+    out = torch.empty_like(chunks)
+    for r in range(rows):
+        out[r, torch.arange(8) ^ (r % 8)] = chunks[r]
+    return out.reshape(rows, 32)
+
+
+@pytest.mark.cuda
+@needs_hopper
+def test_backward_transposed_dq_path(probe):
+    # D128 without a mask: dS stored query-major by stmatrix, dQ^T = K^T dS^T with dS as the B operand, and dQ^T
+    # stored transposed into the fp32 boxes that the TMA reduction reads.
+    x, z = (torch.randn(64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    y = torch.randn(80, 64, device="cuda", dtype=torch.bfloat16)
+    acc, tile, out, boxes = probe.transposed_dq_probe(x, y, z)
+    torch.testing.assert_close(acc, x.float() @ y.float().T, rtol=1e-4, atol=1e-3)
+    rounded = acc.to(torch.bfloat16)
+    assert torch.equal(tile.cpu(), swizzle_128b(rounded.T.contiguous().cpu()))
+    torch.testing.assert_close(out, z.float().T @ rounded.float(), rtol=1e-4, atol=2e-2)
+    dq = out.T.contiguous().cpu()  # (80 queries, 64 columns)
+    for box in range(2):
+        assert torch.equal(boxes[box].cpu(), swizzle_128b_fp32(dq[:, 32 * box:32 * box + 32].contiguous()))
+
+
 @pytest.mark.cuda
 @needs_hopper
 @pytest.mark.parametrize(

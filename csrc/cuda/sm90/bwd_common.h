@@ -35,6 +35,39 @@ __device__ __forceinline__ void store_swizzled_tile(T* tile, const float (&acc)[
   }
 }
 
+// dS^T (64 keys x kBlockM queries, packed as wgmma A registers by pack_a: register i of k16 step kk holds the 8x8
+// fragment of queries 16 kk + 8 (i / 2) .. and keys 16 warp + 8 (i % 2) ..) to a [kBlockM queries][64 keys] tile in
+// the 128-byte swizzle, dS as a K-major operand: one transposing stmatrix per k16 step, lane l giving the address of
+// row l % 8 of fragment l / 8.
+template <typename T, int kBlockM>
+__device__ __forceinline__ void store_transposed_tile(T* tile, const uint32_t (&a)[kBlockM / 16][4], int warp,
+                                                      int lane) {
+  const int fragment = lane / 8;
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk) {
+    const int row = 16 * kk + 8 * (fragment / 2) + lane % 8;
+    stmatrix_x4_trans(tile + sw128_offset(row, 2 * warp + fragment % 2), a[kk][0], a[kk][1], a[kk][2], a[kk][3]);
+  }
+}
+
+// dQ^T (64 head-dim rows x kBlockM query columns, a wgmma accumulator) into two [kBlockM queries][32 columns] boxes
+// of the 128-byte swizzle, as the TMA map of dq_accum reads them: 4-byte stores, each on 32 banks (a store's 8 columns
+// span two 16-byte chunks, which its 4 rows' swizzle spreads over all 8).
+template <int kBlockM>
+__device__ __forceinline__ void store_transposed_fp32_tile(float* tile, const float (&acc)[kBlockM / 2], int warp,
+                                                           int lane) {
+  float* const box = tile + (warp / 2) * kBlockM * 32;
+#pragma unroll
+  for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int col = 16 * (warp % 2) + lane / 4 + 8 * (i / 2);
+      const int row = 8 * j + 2 * (lane % 4) + i % 2;
+      box[row * 32 + ((col / 4) ^ (row % 8)) * 4 + col % 4] = acc[4 * j + i];
+    }
+  }
+}
+
 // A block of kBlockN keys of one (batch, kv head), and the query blocks that see it. Blocks start in index order (a
 // CTA each, or taken in turn from BwdTileScheduler), key blocks numbered fastest, so under a causal mask (within a kv
 // head) the blocks that see the most queries go first; with an ordered dQ (p.dq_semaphore) the causal order turns
@@ -295,8 +328,8 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
           fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
         for (int box = 0; box < 2; ++box) {
-          tma_reduce_add_4d(map, tile + box * 64 * 32, 64 * Traits::dq_column_block(c, part) + 32 * box, row, head,
-                            block.tma_batch());
+          tma_reduce_add_4d(map, tile + box * Traits::kDqRows * 32, 64 * Traits::dq_column_block(c, part) + 32 * box,
+                            row, head, block.tma_batch());
         }
         bulk_commit_group();
         bulk_wait_group_read<0>();

@@ -16,15 +16,17 @@
 //     dV  += P^T dO,  dK += dS^T Q                     (RS wgmma, Q and dO read transposed)
 //     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major)
 //
-// dQ of a step is 64x64 tiles: two (kBlockM = 64 queries x D = 128, or 128 queries x D = 64), one per warpgroup.
-// Each goes registers -> swizzled shared memory, and the warpgroup's dQ writer (warp 1 or 2 of the producer
-// warpgroup) adds it into the fp32 dq_accum by one TMA reduce-add: one reduction per element and CTA, in bulk, where
-// per-thread fp32 atomics held the kernel at about half its speed. Deterministic (p.dq_semaphore): each writer waits
-// for its turn before each addition and counts it done once written, so the key blocks add into each dQ tile in a
-// fixed order (KeyBlock::dq_turn) while the consumers go on. lse and delta of the next step are loaded from global
-// memory a step ahead, out of the critical path. dK (times scale) and dV are complete in registers at the end (one
-// writer per element) and leave through the warpgroup's dQ and dS^T tiles in whole 128-byte lines while the next
-// block's K and V load (they were the CTA's last cost outside the steps, with the wait for the first K and V).
+// dQ of a step is two fp32 tiles, one per warpgroup: 64x64 (kBlockM = 64 queries x D = 128, or 128 queries x D = 64),
+// or, at D128 without a mask, where a step takes 80 queries, 80 queries x 64 columns computed transposed as
+// dQ^T = K^T dS^T (wgmma's M is 64 rows; the warpgroups store dS query-major for it). Each goes registers -> swizzled
+// shared memory, and the warpgroup's dQ writer (warp 1 or 2 of the producer warpgroup) adds it into the fp32 dq_accum
+// by one TMA reduce-add: one reduction per element and CTA, in bulk, where per-thread fp32 atomics held the kernel at
+// about half its speed. Deterministic (p.dq_semaphore): each writer waits for its turn before each addition and counts
+// it done once written, so the key blocks add into each dQ tile in a fixed order (KeyBlock::dq_turn) while the
+// consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out of the critical
+// path. dK (times scale) and dV are complete in registers at the end (one writer per element) and leave through the
+// warpgroup's dQ and dS^T tiles in whole 128-byte lines while the next block's K and V load (they were the CTA's last
+// cost outside the steps, with the wait for the first K and V).
 //
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
 // softcap it forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t
@@ -52,26 +54,30 @@
 
 namespace flashattn::sm90 {
 
-template <int HeadDim>
+template <int HeadDim, bool Masked>
 struct BwdTraits {
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockN = bwd_tile_shape(HeadDim).block_n;  // keys per CTA: two consumer warpgroups x 64
-  // Queries per step, the N of S^T = K Q^T: 128 at D64, 64 at D128. Either way a step's dQ is two 64x64 tiles, one
-  // per warpgroup.
-  static constexpr int kBlockM = bwd_tile_shape(HeadDim).block_m;
+  static constexpr int kBlockN = bwd_tile_shape(HeadDim, Masked).block_n;  // keys per CTA: two consumers x 64
+  // Queries per step, the N of S^T = K Q^T: 128 at D64, 64 at D128, 80 at D128 without a mask.
+  static constexpr int kBlockM = bwd_tile_shape(HeadDim, Masked).block_m;
+  // dQ^T = K^T dS^T (wgmma M = a 64-column block of the head dim, N = the step's queries) where kBlockM is no multiple
+  // of wgmma's M, with dS stored query-major; else dQ = dS K in 64x64 tiles, dS^T stored key-major.
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
   static constexpr int kStages = 2;    // Q buffers
   static constexpr int kStagesDo = 2;  // dO buffers
   static constexpr int kNThreads = 3 * 128;
   static constexpr int kColumnBlocks = HeadDim / 64;  // 64-column sub-tiles (one TMA box / swizzle atom wide)
-  static constexpr int kQueryBlocks = kBlockM / 64;   // 64-query sub-tiles of a step (dS^T tile, dQ)
+  static constexpr int kQueryBlocks = kDqTransposed ? 1 : kBlockM / 64;  // query sub-tiles of a step's dQ
   static constexpr int kTileKV = kBlockN * HeadDim;   // elements
   static constexpr int kSubTileKV = kBlockN * 64;
   static constexpr int kTileQ = kBlockM * HeadDim;  // a Q or dO stage
   static constexpr int kSubTileQ = kBlockM * 64;
-  static constexpr int kTileDS = 64 * kBlockM;  // one consumer's dS^T: 64 keys x kBlockM queries
-  static constexpr int kTileDQ = 64 * 64;       // one consumer's dQ tile, fp32: two TMA boxes of 64 rows x 32 columns
-  // Consumer c's dQ tile: 64-query sub-tile and 64-column block of the step's dQ (for the consumer and the writer),
-  // one part per step.
+  static constexpr int kTileDS = 64 * kBlockM;  // one consumer's dS^T (64 keys x kBlockM queries) or dS
+  // One consumer's dQ tile, fp32: two TMA boxes of kDqRows rows x 32 columns.
+  static constexpr int kDqRows = kDqTransposed ? kBlockM : 64;
+  static constexpr int kTileDQ = kDqRows * 64;
+  // Consumer c's dQ tile: query sub-tile and 64-column block of the step's dQ (for the consumer and the writer), one
+  // part per step.
   static constexpr int kDqParts = 1;
   static constexpr int kDqTiles = 2 * kDqParts;  // per step (one semaphore each when ordered)
   __host__ __device__ static constexpr int dq_query_block(int consumer) { return consumer % kQueryBlocks; }
@@ -84,28 +90,32 @@ struct BwdTraits {
   static constexpr int smem_bytes() {
     return 2 * kTileDQ * static_cast<int>(sizeof(float)) +
            (2 * kTileKV + 2 * kStages * kTileQ + 2 * 2 * kTileDS) * static_cast<int>(sizeof(T)) +
-           2 * 2 * 2 * kBlockM * static_cast<int>(sizeof(float)) /* lse, delta per buffer and consumer */ +
-           1024 /* alignment */ + 256 /* barriers */;
+           2 * 2 * kBlockM * static_cast<int>(sizeof(float)) /* lse, delta per buffer */ + 1024 /* alignment */ +
+           256 /* barriers */;
   }
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward covers head dims 64 and 128");
   static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
   static_assert(kStagesDo == kStages, "the consumers index the Q and dO rings by one stage");
-  static_assert(kQueryBlocks * kColumnBlocks == 2 && kDqTiles == bwd_tile_shape(HeadDim).dq_tiles,
-                "a step's dQ is one 64x64 tile per consumer warpgroup");
+  static_assert(kQueryBlocks * kColumnBlocks == 2 && kDqTiles == bwd_tile_shape(HeadDim, Masked).dq_tiles,
+                "a step's dQ is one tile per consumer warpgroup");
+  static_assert(kBlockM % 16 == 0 && kTileDS * 2 % 1024 == 0 && kDqRows * 128 % 1024 == 0,
+                "k16 steps over the queries; tiles on 1024-byte swizzle atoms");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };
 
 template <typename T, typename Traits>
 struct BwdSharedStorage {
-  float* dq;        // [2 consumers][2 boxes][64 rows][32 columns], swizzled: the TMA reduction's source
+  float* dq;        // [2 consumers][2 boxes][kDqRows rows][32 columns], swizzled: the TMA reduction's source
   T* k;             // [kColumnBlocks][kBlockN][64], swizzled
   T* v;
   T* q;             // [kStages][kColumnBlocks][kBlockM][64]
   T* dout;
-  T* ds;            // [2 buffers][2 consumers][kQueryBlocks][64 keys][64 queries], swizzled (written by the threads)
-  float* lse_log2;  // [2 buffers][2 consumers][kBlockM]
-  float* delta;     // [2 buffers][2 consumers][kBlockM]
+  // [2 buffers][2 consumers][kQueryBlocks][64 keys][64 queries], or (kDqTransposed) [2][2][kBlockM queries][64 keys],
+  // swizzled (written by the threads)
+  T* ds;
+  float* lse_log2;  // [2 buffers][kBlockM]
+  float* delta;     // [2 buffers][kBlockM]
   uint64_t* kv_full;
   uint64_t* kv_empty;
   uint64_t* q_full;  // [kStages]
@@ -124,8 +134,8 @@ struct BwdSharedStorage {
     dout = q + Traits::kStages * Traits::kTileQ;
     ds = dout + Traits::kStages * Traits::kTileQ;
     lse_log2 = reinterpret_cast<float*>(ds + 2 * 2 * Traits::kTileDS);
-    delta = lse_log2 + 2 * 2 * Traits::kBlockM;
-    kv_full = reinterpret_cast<uint64_t*>(delta + 2 * 2 * Traits::kBlockM);
+    delta = lse_log2 + 2 * Traits::kBlockM;
+    kv_full = reinterpret_cast<uint64_t*>(delta + 2 * Traits::kBlockM);
     kv_empty = kv_full + 1;
     q_full = kv_empty + 1;
     do_full = q_full + Traits::kStages;
@@ -214,20 +224,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int dq_column_block = Traits::dq_column_block(consumer, 0);
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
 
-  // lse (log2 domain) and delta of a step's rows (RowStats), staged per warpgroup in shared memory (both warpgroups
-  // stage the same values, each its own copy, so that neither waits for the other): at kBlockM = 128 thread t
-  // stages both of row t; at 64, threads 0-63 the lse and 64-127 the delta of row t % 64.
-  const int stats_row = thread % kBlockM;
-  const bool stages_lse = kBlockM == 128 || thread < kBlockM;
-  const bool stages_delta = kBlockM == 128 || thread >= kBlockM;
+  // lse (log2 domain) and delta of a step's rows (RowStats), staged in shared memory for both warpgroups: thread
+  // t < kBlockM of consumer 0 stages the lse of row t, of consumer 1 the delta (whose rule for rows without keys reads
+  // the lse too).
+  const bool stages_stats = thread < kBlockM;
   RowStats stats;  // loaded a step ahead, the first step's during the key block before
   const auto load_stats = [&](const Block& b, int step) {
-    stats.load(p, b.row_base(step, p), b.m_start(step) + stats_row, b.len_q(p), stages_delta);
+    if (stages_stats) stats.load(p, b.row_base(step, p), b.m_start(step) + thread, b.len_q(p), consumer == 1);
   };
   const auto store_stats = [&](int buffer) {
-    const int offset = (2 * buffer + consumer) * kBlockM + stats_row;
-    if (stages_lse) smem.lse_log2[offset] = stats.lse_log2();
-    if (stages_delta) smem.delta[offset] = stats.delta_or_zero();
+    if (!stages_stats) return;
+    if (consumer == 0) {
+      smem.lse_log2[buffer * kBlockM + thread] = stats.lse_log2();
+    } else {
+      smem.delta[buffer * kBlockM + thread] = stats.delta_or_zero();
+    }
   };
 
   // Block `index`'s first statistics (a band or an idle slot can leave a block without steps).
@@ -262,7 +273,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int buffer = step % 2;
       // The step's lse in registers before its GEMMs: read after them, the loads wait behind the GEMMs' operands.
       // delta once S^T has ended.
-      const int stats_offset = (2 * buffer + consumer) * kBlockM;
+      const int stats_offset = buffer * kBlockM;
       ColumnPairs<kBlockM> lse_log2, delta;
       lse_log2.load(smem.lse_log2 + stats_offset, lane);
       if (step + 1 < num_steps) load_stats(block, step + 1);  // in flight during this step
@@ -372,12 +383,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         ds_from_dp();
       }
 
-      // dS^T to shared memory for dQ = dS K, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
+      // dS^T (or dS) to shared memory for dQ, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
       // (the wgmma async proxy reads what the threads wrote: fence, then the barrier below).
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       pack_a<T, kBlockM>(p_frag, s);
       pack_a<T, kBlockM>(ds_frag, dp);
-      store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
+      if constexpr (Traits::kDqTransposed) {
+        store_transposed_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), ds_frag, warp, lane);
+      } else {
+        store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
+      }
       fence_proxy_async_smem();
 
       // dV += P^T dO now; dK += dS^T Q after dQ, so that dQ's trip to shared memory below runs under the dK GEMM.
@@ -394,18 +409,26 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (step + 1 < num_steps) store_stats(buffer ^ 1);
       named_barrier_sync(BwdBarrier::kDsStored, 256);
 
-      // dQ tile = dS[query block] K[:, column block] over the CTA's 128 keys: A = the two dS^T tiles read M-major
-      // (k16 steps over keys), B = K rows read transposed.
-      float dq[32];
+      // Over the CTA's 128 keys (k16 steps: consumer kk / 4's tile, 16 keys of it), either dQ^T = K^T dS^T for the
+      // column block (A = K rows read transposed, B = both dS tiles, K-major), or the dQ tile = dS[query block]
+      // K[:, column block] (A = the two dS^T tiles read M-major, B = K rows read transposed).
+      constexpr int kDqRegs = Traits::kDqTransposed ? kBlockM / 2 : 32;
+      float dq[kDqRegs];
       wgmma_fence_registers(dq);
       wgmma_fence();
       const uint64_t ds_desc = smem_desc_sw128(smem.ds_tile(buffer, 0) + dq_query_block * 64 * 64);
       const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {  // consumer kk / 4's dS^T tile, 16 keys of it
-        const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
-        Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)),
-                                              desc_advance(k_desc, kk * 16 * 64 * sizeof(T)), kk > 0);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t k_step = desc_advance(k_desc, kk * 16 * 64 * sizeof(T));
+        if constexpr (Traits::kDqTransposed) {
+          const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16;
+          Wgmma<T, kBlockM>::template ss<false, true>(dq, k_step, desc_advance(ds_desc, ds_offset * sizeof(T)),
+                                                      kk > 0);
+        } else {
+          const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
+          Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)), k_step, kk > 0);
+        }
       }
       wgmma_commit();
       issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
@@ -419,7 +442,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       if (step > 0) {  // the writer read the last (a block's first: the epilogue before waited)
         named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);
       }
-      store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
+      if constexpr (Traits::kDqTransposed) {
+        store_transposed_fp32_tile<kBlockM>(dq_tile, dq, warp, lane);
+      } else {
+        store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
+      }
       fence_proxy_async_smem();
       named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
 
@@ -463,7 +490,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kSequences || kOptions, "packed sequences run in the options variants");
-  using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits, BwdTraits<HeadDim == 256 ? 128 : HeadDim>>;
+  using Traits = std::conditional_t<HeadDim == 256, BwdSplitTraits,
+                                    BwdTraits<HeadDim == 256 ? 128 : HeadDim, kCausal || kOptions>>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   // Packed sequences: maps over all rows as one batch entry, which the preparation cuts into each sequence's.
   BwdParams shape = params;
@@ -480,7 +508,8 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   // D256: a CTA per key block; else persistent, at most one CTA per SM (blocks from params.tile_counter).
   const dim3 grid(static_cast<unsigned>(HeadDim == 256 ? num_blocks : std::min(num_blocks, params.max_ctas)));
   CUtensorMap dq_map;
-  if (!make_dq_accum_map(&dq_map, shape.dq_accum, shape.batch, shape.heads, shape.len_q, shape.head_dim, 64)) {
+  if (!make_dq_accum_map(&dq_map, shape.dq_accum, shape.batch, shape.heads, shape.len_q, shape.head_dim,
+                         Traits::kDqRows)) {
     return cudaErrorNotSupported;
   }
   const auto kernel = [] {

@@ -42,8 +42,8 @@ namespace flashattn::sm90 {
 struct BwdSplitTraits {
   static constexpr int kHeadDim = 256;
   static constexpr int kHalf = 128;    // columns of dK, dV and dQ per consumer warpgroup
-  static constexpr int kBlockN = bwd_tile_shape(kHeadDim).block_n;  // keys per CTA: the M of every GEMM but dQ
-  static constexpr int kBlockM = bwd_tile_shape(kHeadDim).block_m;  // queries per step
+  static constexpr int kBlockN = bwd_tile_shape(kHeadDim, true).block_n;  // keys per CTA: the M of every GEMM but dQ
+  static constexpr int kBlockM = bwd_tile_shape(kHeadDim, true).block_m;  // queries per step
   static constexpr int kStages = 2;    // Q buffers
   static constexpr int kStagesDo = 1;  // dO buffers
   static constexpr int kNThreads = 3 * 128;
@@ -53,7 +53,8 @@ struct BwdSplitTraits {
   static constexpr int kTileQ = kBlockM * kHeadDim;   // a Q or dO buffer
   static constexpr int kSubTileQ = kBlockM * 64;
   static constexpr int kTileP = kBlockN * kBlockM;    // P^T or dS^T: 64 keys x 64 queries
-  static constexpr int kTileDQ = 64 * 64;             // one consumer's dQ tile, fp32: two TMA boxes of 64 x 32
+  static constexpr int kDqRows = 64;
+  static constexpr int kTileDQ = kDqRows * 64;  // one consumer's dQ tile, fp32: two TMA boxes of 64 x 32
   // Consumer c's dQ tiles (the writer's side): the step's 64 queries, columns 64 (2 c + part) .. of its half.
   static constexpr int kDqParts = kHalf / 64;
   static constexpr int kDqTiles = 2 * kDqParts;  // per step (one semaphore each when ordered)
@@ -72,7 +73,7 @@ struct BwdSplitTraits {
   // One warpgroup covers the CTA's keys (wgmma M = 64), a step's queries fill one 128-byte swizzle row of the P^T
   // and dS^T tiles and are the 64 rows of a dQ tile, and the two warpgroups split the columns in halves.
   static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim &&
-                    kDqTiles == bwd_tile_shape(kHeadDim).dq_tiles,
+                    kDqTiles == bwd_tile_shape(kHeadDim, true).dq_tiles,
                 "the split backward's fixed shape");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");

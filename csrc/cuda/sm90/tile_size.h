@@ -46,18 +46,21 @@ constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t 
 }
 
 // The Hopper backward's tile: block_n keys per CTA (two consumer warpgroups of 64 at D64 and D128; one at D256, whose
-// consumers split the columns), block_m queries per step (128 at D64, where dK and dV leave the registers room).
-// A step's dQ (block_m x D) goes to dq_accum as dq_tiles fp32 tiles of 64 x 64, each with its own semaphore when the
-// additions are ordered.
+// consumers split the columns), block_m queries per step: 128 at D64, where dK and dV leave the registers room; at D128
+// 80 for the plain kernel without a mask (a step's fixed costs spread over 25% more queries; its dQ is computed
+// transposed, wgmma's M being the head dim) and 64 under a mask, window, softcap or packed sequences, whose steps need
+// the registers. A step's dQ goes to dq_accum as dq_tiles fp32 tiles (64 query rows x 64 columns, or all 80 rows x 64
+// columns), each with its own semaphore when the additions are ordered.
 struct BwdTileShape {
   int block_m;
   int block_n;
   int dq_tiles;
 };
 
-constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim) {
-  const int block_m = kernel_head_dim == 64 ? 128 : 64;
-  return {block_m, kernel_head_dim == 256 ? 64 : 128, block_m * kernel_head_dim / (64 * 64)};
+constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim, bool masked) {
+  const int block_m = kernel_head_dim == 64 ? 128 : kernel_head_dim == 128 && !masked ? 80 : 64;
+  const int query_tiles = block_m % 64 == 0 ? block_m / 64 : 1;
+  return {block_m, kernel_head_dim == 256 ? 64 : 128, query_tiles * kernel_head_dim / 64};
 }
 
 // Ordered dQ without a mask at D256 (a CTA per key block): how many (batch, kv head) pairs take turns in blockIdx, so
@@ -85,6 +88,10 @@ static_assert(bwd_ordered_interleave(256, false, 1024, 1, 50 << 20) == 8 &&
                   bwd_ordered_interleave(256, true, 1024, 1, 50 << 20) == 1 &&
                   bwd_ordered_interleave(128, false, 1024, 1, 50 << 20) == 1,
               "ordered D256 without a mask: 8 pairs in turn at L1k, 2 at L4k, none from L8k");
+static_assert(bwd_tile_shape(128, false).block_m == 80 && bwd_tile_shape(128, false).dq_tiles == 2 &&
+                  bwd_tile_shape(128, true).block_m == 64 && bwd_tile_shape(64, false).dq_tiles == 2 &&
+                  bwd_tile_shape(256, true).dq_tiles == 4,
+              "backward tiles: 80 queries at D128 without a mask, two or four dQ tiles a step");
 static_assert(fwd_tile_shape(256, false, 4096, 512).block_n == 64 && fwd_tile_shape(256, false, 1, 513).block_n == 80,
               "D256 without a mask: 64-key blocks up to 512 keys");
 
