@@ -299,13 +299,14 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
 }
 
 // A dQ writer warp (warp 1 + c of the producer warpgroup, for consumer c), for one key block: per step and part
-// (Traits::kDqParts), the consumer's fp32 dQ tile of 64x64 from shared memory into dq_accum (one TMA reduce-add of
-// two [64 rows][32 columns] boxes, one bulk group), then the tile back to the consumer once read (dq_empty after every
-// tile: the consumer waits for it before writing any tile but a key block's first, and before its epilogue). Ordered
-// (a semaphore per dQ tile), lane 0 first waits until the key blocks before this one have added the tile, and counts
-// its own addition once written; the consumer has its tile back before that, so only the writer waits for its turn,
-// and neither consumer's turn holds up the other's tiles (one warp for both ran the deterministic D256 kernel at 0.68x
-// of a warp each). The caller waits for the last reductions (bulk_wait_group) before the CTA's shared memory goes.
+// (Traits::kDqParts), the consumer's fp32 dQ tile of kDqRows x 64 from shared memory into dq_accum (one TMA
+// reduce-add of two [kDqRows rows][32 columns] boxes, one bulk group), then the tile back to the consumer once read
+// (dq_empty after every tile: the consumer waits for it before writing any tile but a key block's first, and before
+// its epilogue). Ordered (a semaphore per dQ tile), lane 0 first waits until the key blocks before this one have added
+// the tile, and counts its own addition once written; the consumer has its tile back before that, so only the writer
+// waits for its turn, and neither consumer's turn holds up the other's tiles (one warp for both ran the deterministic
+// D256 kernel at 0.68x of a warp each). The caller waits for the last reductions (bulk_wait_group) before the CTA's
+// shared memory goes.
 template <typename Traits, typename Storage, typename Block>
 __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtensorMap& dq_map, const BwdParams& p,
                                               const Block& block, int c, int lane) {

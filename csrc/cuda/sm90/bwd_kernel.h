@@ -14,7 +14,8 @@
 //     P^T  = exp2(S^T * scale_log2 - lse_log2)        (masked entries 0)
 //     dS^T = P^T * (dP^T - delta)
 //     dV  += P^T dO,  dK += dS^T Q                     (RS wgmma, Q and dO read transposed)
-//     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major)
+//     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major;
+//                                                       80 queries: dQ^T = K^T dS^T from their dS tiles)
 //
 // dQ of a step is two fp32 tiles, one per warpgroup: 64x64 (kBlockM = 64 queries x D = 128, or 128 queries x D = 64),
 // or, at D128 without a mask, where a step takes 80 queries, 80 queries x 64 columns computed transposed as
@@ -219,7 +220,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int lane = thread % 32;
   const T* const k_rows = smem.k + consumer * 64 * 64;  // this warpgroup's 64 rows inside each sub-tile
   const T* const v_rows = smem.v + consumer * 64 * 64;
-  // This warpgroup's dQ tile of every step: a 64-query sub-tile and a 64-column block.
+  // This warpgroup's dQ tile of every step: a 64-query sub-tile (all 80 queries when transposed) and a 64-column
+  // block.
   const int dq_query_block = Traits::dq_query_block(consumer);
   const int dq_column_block = Traits::dq_column_block(consumer, 0);
   float* const dq_tile = smem.dq + consumer * Traits::kTileDQ;
