@@ -17,6 +17,11 @@
 //     dQ   = dS K over all 128 keys                    (SS wgmma from both warpgroups' dS^T tiles, read M-major;
 //                                                       80 queries: dQ^T = K^T dS^T from their dS tiles)
 //
+// dQ of a step is taken a step late, after the next step's dV has been issued (the block's last at its end), so that
+// neither warpgroup waits for the other's dS of the step it is in: each passes its dS tile, and the next step's
+// statistics, through mbarriers (ds_full, ds_empty over two buffers) and the two drift up to a step apart, where a
+// barrier of both per step held them in one phase, exponentials together and the tensor pipe idle (ncu: +9 to +12%).
+//
 // dQ of a step is two fp32 tiles, one per warpgroup: 64x64 (kBlockM = 64 queries x D = 128, or 128 queries x D = 64),
 // or, at D128 without a mask, where a step takes 80 queries, 80 queries x 64 columns computed transposed as
 // dQ^T = K^T dS^T (wgmma's M is 64 rows; the warpgroups store dS query-major for it). Each goes registers -> swizzled
@@ -125,6 +130,8 @@ struct BwdSharedStorage {
   uint64_t* do_empty;
   uint64_t* block_full;  // [2] BwdTileScheduler's mailbox
   uint64_t* block_empty;
+  uint64_t* ds_full;   // [2 buffers][2 consumers]: the consumer's dS tile (and the next step's statistics) stored
+  uint64_t* ds_empty;  // [2 buffers][2 consumers]: the other consumer's dQ GEMM has read that tile
   int* block_slots;
 
   __device__ explicit BwdSharedStorage(unsigned char* raw) {
@@ -144,7 +151,9 @@ struct BwdSharedStorage {
     do_empty = q_empty + Traits::kStages;
     block_full = do_empty + Traits::kStages;
     block_empty = block_full + 2;
-    block_slots = reinterpret_cast<int*>(block_empty + 2);
+    ds_full = block_empty + 2;
+    ds_empty = ds_full + 4;
+    block_slots = reinterpret_cast<int*>(ds_empty + 4);
   }
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* dout_stage(int stage) const { return dout + stage * Traits::kTileQ; }
@@ -181,7 +190,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const BwdSharedStorage<T, Traits> smem(smem_raw);
   const BwdTileScheduler scheduler(smem);
   init_bwd_barriers<Traits>(smem);
-  if (threadIdx.x == 0) scheduler.init();
+  if (threadIdx.x == 0) {
+    scheduler.init();
+    for (int i = 0; i < 4; ++i) {
+      mbarrier_init(&smem.ds_full[i], 128);
+      mbarrier_init(&smem.ds_empty[i], 128);
+    }
+  }
   __syncthreads();
 
   // Warp-uniform (a shuffle from lane 0), so that the tile addresses derived from it live in uniform registers.
@@ -248,6 +263,54 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if (const Block b(p, index); b.num_steps(p) > 0) load_stats(b, 0);
   };
 
+  // dQ of the CTA's step g, one step late, so that neither consumer waits for the other's dS of the step it is in:
+  // over the CTA's 128 keys (k16 steps: consumer kk / 4's tile, 16 keys of it), either dQ^T = K^T dS^T for the column
+  // block (A = K rows read transposed, B = both dS tiles, K-major), or the dQ tile = dS[query block] K[:, column
+  // block] (A = the two dS^T tiles read M-major, B = K rows read transposed).
+  constexpr int kDqRegs = Traits::kDqTransposed ? kBlockM / 2 : 32;
+  // Both dS tiles of step g stored: the other consumer's, and this one's by all of its threads (the wgmma reads what
+  // every thread of the warpgroup wrote).
+  const auto wait_for_ds = [&](int g) {
+    mbarrier_wait(&smem.ds_full[2 * (g % 2) + (consumer ^ 1)], (g / 2) & 1);
+    mbarrier_wait(&smem.ds_full[2 * (g % 2) + consumer], (g / 2) & 1);
+  };
+  // A key block's first step has no dQ to take; it runs the GEMM on the K tile (read-only there) and drops it, as a
+  // branch around the GEMM keeps the accumulator live across the step (600 B of spills).
+  const auto issue_dq = [&](int g, bool real, float (&dq)[kDqRegs]) {
+    wgmma_fence_registers(dq);
+    wgmma_fence();
+    const T* const ds_tiles = real ? smem.ds_tile(g % 2, 0) : smem.k;
+    const uint64_t ds_desc = smem_desc_sw128(ds_tiles + dq_query_block * 64 * 64);
+    const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t k_step = desc_advance(k_desc, kk * 16 * 64 * sizeof(T));
+      if constexpr (Traits::kDqTransposed) {
+        const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16;
+        Wgmma<T, kBlockM>::template ss<false, true>(dq, k_step, desc_advance(ds_desc, ds_offset * sizeof(T)),
+                                                    kk > 0);
+      } else {
+        const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
+        Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)), k_step, kk > 0);
+      }
+    }
+    wgmma_commit();
+  };
+  // Once the dQ GEMM of step g has ended: the other consumer's tile is free, and the tile goes to the writer (after it
+  // has read the last one, unless this is the key block's first).
+  const auto finish_dq = [&](int g, float (&dq)[kDqRegs], bool wait_for_writer) {
+    wgmma_fence_registers(dq);
+    mbarrier_arrive(&smem.ds_empty[2 * (g % 2) + (consumer ^ 1)]);
+    if (wait_for_writer) named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);
+    if constexpr (Traits::kDqTransposed) {
+      store_transposed_fp32_tile<kBlockM>(dq_tile, dq, warp, lane);
+    } else {
+      store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
+    }
+    fence_proxy_async_smem();
+    named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
+  };
+
   int index = scheduler.read(0);
   if (index >= num_blocks) return;
   load_first_stats(index);
@@ -259,7 +322,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     const int num_steps = block.num_steps(p);
     if (num_steps > 0) store_stats(0);
     // Publishes step 0's statistics; ends the last block's epilogue reads of this warpgroup's dQ and dS^T tiles.
-    named_barrier_sync(BwdBarrier::kDsStored, 256);
+    named_barrier_sync(BwdBarrier::kBothConsumers, 256);
 
     float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
@@ -270,9 +333,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       const int m_start = block.m_start(step);
       const int stage = (first_step + step) % kStages;  // the rings run on across key blocks
       const uint32_t parity = ((first_step + step) / kStages) & 1;
-      // Double buffers: dS^T tiles written and read at step n, rewritten at n + 2; lse/delta written at n - 1, read
-      // at n.
+      // Double buffers: lse/delta written at step n - 1, read at n (by block); dS tiles (by the CTA's step count g)
+      // written at g, read by both consumers' dQ GEMMs at g + 1 (the last at the block's end), rewritten at g + 2.
       const int buffer = step % 2;
+      const int g = first_step + step;
+      if (step > 0) wait_for_ds(g - 1);  // and this step's statistics
       // The step's lse in registers before its GEMMs: read after them, the loads wait behind the GEMMs' operands.
       // delta once S^T has ended.
       const int stats_offset = buffer * kBlockM;
@@ -386,16 +451,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
 
       // dS^T (or dS) to shared memory for dQ, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
-      // (the wgmma async proxy reads what the threads wrote: fence, then the barrier below).
+      // (the wgmma async proxy reads what the threads wrote: fence, then ds_full below), once the other consumer's
+      // dQ has read the buffer's last tile.
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       pack_a<T, kBlockM>(p_frag, s);
       pack_a<T, kBlockM>(ds_frag, dp);
+      if (g >= 2) mbarrier_wait(&smem.ds_empty[2 * (g % 2) + consumer], ((g / 2) - 1) & 1);
       if constexpr (Traits::kDqTransposed) {
-        store_transposed_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), ds_frag, warp, lane);
+        store_transposed_tile<T, kBlockM>(smem.ds_tile(g % 2, consumer), ds_frag, warp, lane);
       } else {
-        store_swizzled_tile<T, kBlockM>(smem.ds_tile(buffer, consumer), dp, warp, lane);
+        store_swizzled_tile<T, kBlockM>(smem.ds_tile(g % 2, consumer), dp, warp, lane);
       }
-      fence_proxy_async_smem();
 
       // dV += P^T dO now; dK += dS^T Q after dQ, so that dQ's trip to shared memory below runs under the dK GEMM.
       wgmma_fence_registers(dv);
@@ -406,51 +472,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
       wgmma_commit();
 
-      // The next step's lse/delta go to the other buffer (its last readers, step n - 1, passed the barrier below a
-      // step ago); the barrier publishes them with the dS^T tiles.
+      // The next step's lse/delta go to the other buffer (its last readers, step n - 1, stored their dS before the
+      // wait above); the arrival publishes them with the dS tile.
       if (step + 1 < num_steps) store_stats(buffer ^ 1);
-      named_barrier_sync(BwdBarrier::kDsStored, 256);
+      fence_proxy_async_smem();
+      mbarrier_arrive(&smem.ds_full[2 * (g % 2) + consumer]);
 
-      // Over the CTA's 128 keys (k16 steps: consumer kk / 4's tile, 16 keys of it), either dQ^T = K^T dS^T for the
-      // column block (A = K rows read transposed, B = both dS tiles, K-major), or the dQ tile = dS[query block]
-      // K[:, column block] (A = the two dS^T tiles read M-major, B = K rows read transposed).
-      constexpr int kDqRegs = Traits::kDqTransposed ? kBlockM / 2 : 32;
       float dq[kDqRegs];
-      wgmma_fence_registers(dq);
-      wgmma_fence();
-      const uint64_t ds_desc = smem_desc_sw128(smem.ds_tile(buffer, 0) + dq_query_block * 64 * 64);
-      const uint64_t k_desc = smem_desc_sw128(smem.k + dq_column_block * Traits::kSubTileKV);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t k_step = desc_advance(k_desc, kk * 16 * 64 * sizeof(T));
-        if constexpr (Traits::kDqTransposed) {
-          const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16;
-          Wgmma<T, kBlockM>::template ss<false, true>(dq, k_step, desc_advance(ds_desc, ds_offset * sizeof(T)),
-                                                      kk > 0);
-        } else {
-          const int ds_offset = (kk / 4) * Traits::kTileDS + (kk % 4) * 16 * 64;
-          Wgmma<T, 64>::template ss<true, true>(dq, desc_advance(ds_desc, ds_offset * sizeof(T)), k_step, kk > 0);
-        }
-      }
-      wgmma_commit();
+      issue_dq(g - 1, step > 0, dq);
       issue_transposed_times_block<T, Traits>(dk, ds_frag, smem.q_stage(stage));
       wgmma_commit();
       wgmma_wait<1>();  // dV and dQ done: dO of the stage is free
       wgmma_fence_registers(dv);
       wgmma_fence_registers(p_frag);
-      wgmma_fence_registers(dq);
       mbarrier_arrive(&smem.do_empty[stage]);
-
-      if (step > 0) {  // the writer read the last (a block's first: the epilogue before waited)
-        named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);
-      }
-      if constexpr (Traits::kDqTransposed) {
-        store_transposed_fp32_tile<kBlockM>(dq_tile, dq, warp, lane);
-      } else {
-        store_swizzled_fp32_tile(dq_tile, dq, warp, lane);
-      }
-      fence_proxy_async_smem();
-      named_barrier_arrive(BwdBarrier::dq_full(consumer), BwdBarrier::kWriterThreads);
+      if (step > 0) finish_dq(g - 1, dq, step > 1);
 
       wgmma_wait<0>();  // dK done: Q of the stage is free
       wgmma_fence_registers(dk);
@@ -458,6 +494,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       mbarrier_arrive(&smem.q_empty[stage]);
     }
 
+    if (num_steps > 0) {  // the last step's dQ
+      const int g = first_step + num_steps - 1;
+      wait_for_ds(g);
+      float dq[kDqRegs];
+      issue_dq(g, true, dq);
+      wgmma_wait<0>();
+      finish_dq(g, dq, num_steps > 1);
+    }
     mbarrier_arrive(smem.kv_empty);  // K and V may take the next block's
 
     // The next key block's first statistics load under this epilogue.
@@ -468,7 +512,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     // Epilogue: this warpgroup's dK (times scale) and dV leave through its own dQ and dS^T tiles (K and V may hold
     // the next block's already), free once both consumers' GEMMs have ended and the writer has read the last dQ tile,
     // then in whole 128-byte lines (ncu: 4-byte stores straight from the accumulators took about 3.5 steps' time).
-    named_barrier_sync(BwdBarrier::kDsStored, 256);
+    named_barrier_sync(BwdBarrier::kBothConsumers, 256);
     if (num_steps > 0) named_barrier_sync(BwdBarrier::dq_empty(consumer), BwdBarrier::kWriterThreads);
     T* const dk_stage = reinterpret_cast<T*>(dq_tile);  // [kHeadDim / 64][64][64]
     T* const dv_stage = smem.ds_tile(0, consumer);       // sub-tiles in this consumer's dS^T tiles of both buffers

@@ -18,8 +18,9 @@ struct FwdBarrier {
 
 // Backward (bwd_kernel.h), two consumer warpgroups and a dQ writer warp for each (whose ids the D256 kernel shares).
 struct BwdBarrier {
-  // Both consumers' dS^T tiles are in shared memory, or (before step 0) their first statistics are (256 threads).
-  static constexpr int kDsStored = 1;
+  // Both consumers at a key block's start (its first statistics staged) and end (done with the dS tiles): 256
+  // threads. Within a block the dS tiles pass through mbarriers (bwd_kernel.h).
+  static constexpr int kBothConsumers = 1;
   static constexpr int kWriterThreads = 128 + 32;  // consumer warpgroup c and its dQ writer warp
   // Consumer c's dQ tile is in shared memory (kWriterThreads).
   __host__ __device__ static constexpr int dq_full(int consumer) { return 2 + consumer; }
