@@ -274,8 +274,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     mbarrier_wait(&smem.ds_full[2 * (g % 2) + (consumer ^ 1)], (g / 2) & 1);
     mbarrier_wait(&smem.ds_full[2 * (g % 2) + consumer], (g / 2) & 1);
   };
-  // A key block's first step has no dQ to take; it runs the GEMM on the K tile (read-only there) and drops it, as a
-  // branch around the GEMM keeps the accumulator live across the step (600 B of spills).
+  // A key block's first step has no dQ to take; it runs the GEMM on the K and V tiles (read-only there) and drops it,
+  // as a branch around the GEMM keeps the accumulator live across the step (600 B of spills).
+  constexpr int kDroppedDqExtent = Traits::kDqTransposed ? 2 * Traits::kTileDS
+                                                        : (kBlockM / 64 - 1) * 64 * 64 + Traits::kTileDS + 64 * 64;
+  static_assert(kDroppedDqExtent <= 2 * Traits::kTileKV, "the dropped dQ GEMM reads within the K and V tiles");
   const auto issue_dq = [&](int g, bool real, float (&dq)[kDqRegs]) {
     wgmma_fence_registers(dq);
     wgmma_fence();
@@ -472,8 +475,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       issue_transposed_times_block<T, Traits>(dv, p_frag, smem.dout_stage(stage));
       wgmma_commit();
 
-      // The next step's lse/delta go to the other buffer (its last readers, step n - 1, stored their dS before the
-      // wait above); the arrival publishes them with the dS tile.
+      // The next step's lse/delta go to the other buffer (its last readers, step n - 1, stored their dS before this
+      // step's first wait); the arrival publishes them with the dS tile.
       if (step + 1 < num_steps) store_stats(buffer ^ 1);
       fence_proxy_async_smem();
       mbarrier_arrive(&smem.ds_full[2 * (g % 2) + consumer]);
