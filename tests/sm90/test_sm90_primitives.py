@@ -34,13 +34,13 @@ def probe(tmp_path_factory):
 
 
 def swizzle_128b(tile: torch.Tensor) -> torch.Tensor:
-    """(rows, 64) 16-bit tile -> the 128-byte swizzle layout: 16-byte chunk c of row r stored at chunk c ^ (r % 8)."""
+    """(rows, 128 bytes) tile -> the 128-byte swizzle layout: 16-byte chunk c of row r stored at chunk c ^ (r % 8)."""
     rows = tile.shape[0]
-    chunks = tile.reshape(rows, 8, 8)
+    chunks = tile.reshape(rows, 8, 16 // tile.element_size())
     out = torch.empty_like(chunks)
     for r in range(rows):
         out[r, torch.arange(8) ^ (r % 8)] = chunks[r]
-    return out.reshape(rows, 64)
+    return out.reshape(rows, -1)
 
 
 @pytest.mark.cuda
@@ -137,16 +137,6 @@ def test_threads_store_a_swizzled_tile_that_wgmma_reads_as_a(probe):
     torch.testing.assert_close(out_k_major, rounded.float() @ z.float().T, rtol=1e-4, atol=2e-2)  # dV += P^T dO's A
 
 
-def swizzle_128b_fp32(tile: torch.Tensor) -> torch.Tensor:
-    """(rows, 32) fp32 tile -> the 128-byte swizzle: 16-byte chunk c (4 floats) of row r stored at chunk c ^ (r % 8)."""
-    rows = tile.shape[0]
-    chunks = tile.reshape(rows, 8, 4)
-    out = torch.empty_like(chunks)
-    for r in range(rows):
-        out[r, torch.arange(8) ^ (r % 8)] = chunks[r]
-    return out.reshape(rows, 32)
-
-
 @pytest.mark.cuda
 @needs_hopper
 def test_backward_transposed_dq_path(probe):
@@ -161,7 +151,7 @@ def test_backward_transposed_dq_path(probe):
     torch.testing.assert_close(out, z.float().T @ rounded.float(), rtol=1e-4, atol=2e-2)
     dq = out.T.contiguous().cpu()  # (80 queries, 64 columns)
     for box in range(2):
-        assert torch.equal(boxes[box].cpu(), swizzle_128b_fp32(dq[:, 32 * box:32 * box + 32].contiguous()))
+        assert torch.equal(boxes[box].cpu(), swizzle_128b(dq[:, 32 * box:32 * box + 32].contiguous()))
 
 
 @pytest.mark.cuda
