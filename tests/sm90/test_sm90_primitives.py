@@ -34,9 +34,10 @@ def probe(tmp_path_factory):
 
 
 def swizzle_128b(tile: torch.Tensor) -> torch.Tensor:
-    """(rows, 128 bytes) tile -> the 128-byte swizzle layout: 16-byte chunk c of row r stored at chunk c ^ (r % 8)."""
+    """A tile of 128-byte rows (64 16-bit or 32 fp32 elements) -> the 128-byte swizzle layout: 16-byte chunk c (an
+    eighth of the row) of row r stored at chunk c ^ (r % 8)."""
     rows = tile.shape[0]
-    chunks = tile.reshape(rows, 8, 16 // tile.element_size())
+    chunks = tile.reshape(rows, 8, tile.shape[1] // 8)
     out = torch.empty_like(chunks)
     for r in range(rows):
         out[r, torch.arange(8) ^ (r % 8)] = chunks[r]
