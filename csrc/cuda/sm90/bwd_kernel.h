@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // over the CTA's 128 keys (k16 steps: consumer kk / 4's tile, 16 keys of it), either dQ^T = K^T dS^T for the column
   // block (A = K rows read transposed, B = both dS tiles, K-major), or the dQ tile = dS[query block] K[:, column
   // block] (A = the two dS^T tiles read M-major, B = K rows read transposed).
-  constexpr int kDqRegs = Traits::kDqTransposed ? kBlockM / 2 : 32;
+  constexpr int kDqRegs = Traits::kTileDQ / 128;  // a thread's share of its warpgroup's dQ tile
   // Both dS tiles of step g stored: the other consumer's, and this one's by all of its threads (the wgmma reads what
   // every thread of the warpgroup wrote).
   const auto wait_for_ds = [&](int g) {
