@@ -154,8 +154,8 @@ struct BwdParams {
   // bound (the SM count).
   int* tile_counter;
   int max_ctas;
-  // Ordered dQ without a mask, a CTA per key block (D256): blockIdx takes the key blocks of this many (batch, kv head)
-  // pairs in turn (tile_size.h's bwd_ordered_interleave); 0 or 1: a pair's blocks one after another.
+  // Ordered dQ without a mask: the key blocks of this many (batch, kv head) pairs start in turn (tile_size.h's
+  // bwd_ordered_interleave); 0 or 1: a pair's blocks one after another.
   int ordered_interleave;
 
   void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T

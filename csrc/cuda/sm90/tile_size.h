@@ -63,14 +63,15 @@ constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim, bool masked) {
   return {block_m, kernel_head_dim == 256 ? 64 : 128, query_tiles * kernel_head_dim / 64};
 }
 
-// Ordered dQ without a mask at D256 (a CTA per key block): how many (batch, kv head) pairs take turns in blockIdx, so
-// that a key block starts that many CTAs after the one whose additions it waits for; as many as keep their Q, dO and
-// dq_accum (8 bytes per element) within a third of L2 (interleaving 8 at every length lost 25% at L16k), at most 8.
+// Ordered dQ without a mask: how many (batch, kv head) pairs take turns in the key blocks' start order, so that a key
+// block starts that many CTAs after the one whose additions it waits for (it otherwise waits at nearly every step); as
+// many as keep their Q, dO and dq_accum (8 bytes per element) within a third of L2 (interleaving 8 at every length
+// lost 25% at D256 L16k), at most 32.
 constexpr int bwd_ordered_interleave(int kernel_head_dim, bool causal, int64_t len_q, int heads_per_kv,
                                      int64_t l2_bytes) {
-  if (kernel_head_dim != 256 || causal) return 1;
+  if (causal) return 1;
   const int64_t fit = l2_bytes / 3 / (8 * len_q * kernel_head_dim * heads_per_kv);
-  return fit < 1 ? 1 : fit > 8 ? 8 : static_cast<int>(fit);
+  return fit < 1 ? 1 : fit > 32 ? 32 : static_cast<int>(fit);
 }
 
 // Packed sequences: their lengths stay on the device, so the shape of short sequences (two consumers under a causal
@@ -86,8 +87,8 @@ static_assert(bwd_ordered_interleave(256, false, 1024, 1, 50 << 20) == 8 &&
                   bwd_ordered_interleave(256, false, 4096, 1, 50 << 20) == 2 &&
                   bwd_ordered_interleave(256, false, 16384, 1, 50 << 20) == 1 &&
                   bwd_ordered_interleave(256, true, 1024, 1, 50 << 20) == 1 &&
-                  bwd_ordered_interleave(128, false, 1024, 1, 50 << 20) == 1,
-              "ordered D256 without a mask: 8 pairs in turn at L1k, 2 at L4k, none from L8k");
+                  bwd_ordered_interleave(64, false, 512, 1, 50 << 20) == 32,
+              "ordered without a mask at D256: 8 pairs in turn at L1k, 2 at L4k, none from L8k; D64 L512: 32");
 static_assert(bwd_tile_shape(128, false).block_m == 80 && bwd_tile_shape(128, false).dq_tiles == 2 &&
                   bwd_tile_shape(128, true).block_m == 64 && bwd_tile_shape(64, false).dq_tiles == 2 &&
                   bwd_tile_shape(256, true).dq_tiles == 4,
