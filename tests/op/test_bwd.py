@@ -312,12 +312,16 @@ def test_deterministic(device, dtype, heads_kv, deterministic_algorithms):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize(
-    "shape", [(2, 8, 2, 1000, 1100), (1, 4, 4, 1500, 700), (1, 2, 1, 300, 2300)], ids=["gqa", "lq-gt-lk", "lq-lt-lk"]
+    "shape",
+    [(2, 8, 2, 1000, 1100), (1, 4, 4, 1500, 700), (1, 2, 1, 300, 2300), (37, 2, 1, 260, 300)],
+    ids=["gqa", "lq-gt-lk", "lq-lt-lk", "many-pairs"],
 )
 def test_deterministic_many_key_blocks(device, dtype, causal, head_dim, shape, deterministic_algorithms):
     # Many key blocks add into each dQ block (up to 18 of 128 keys, 36 of 64 at D256), where an unordered addition
     # would change bits from run to run: with deterministic algorithms every run gives the same bits, and the gradients
     # are right (Hopper: the kernels' ordered dQ, causal with the key blocks reversed; elsewhere the chunked backward).
+    # many-pairs: 37 (batch, kv head) pairs, whose key blocks start in turn in groups (Hopper, without a mask), the last
+    # group smaller.
     batch, heads, heads_kv, len_q, len_k = shape
     q, k, v = leaves(*make_qkv(batch, heads, heads_kv, len_q, len_k, head_dim, dtype, device))
     out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal=causal)
