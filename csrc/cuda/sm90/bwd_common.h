@@ -324,8 +324,7 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
       named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
       if (lane == 0) {
         if (ordered) {
-          while (ld_acquire_gpu(semaphore) != turn) {
-          }
+          while (ld_acquire_gpu(semaphore) != turn) __nanosleep(100);  // the spin's loads off the line being released
           fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
         for (int box = 0; box < 2; ++box) {

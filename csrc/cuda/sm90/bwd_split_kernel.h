@@ -338,8 +338,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     wgmma_wait<1>();
     wgmma_fence_registers(dq);
     store_dq_tile(dq, step == 0);
+    // A copy the compiler cannot fold (x + 0 is not x for -0): kept in dq's accumulator registers, dq_late's reads
+    // under the next step's first GEMM made ptxas wait for that GEMM first (C7517), and spill in the packed kernels.
 #pragma unroll
-    for (int i = 0; i < 32; ++i) dq_late[i] = dq[32 + i];
+    for (int i = 0; i < 32; ++i) dq_late[i] = __fadd_rn(dq[32 + i], 0.f);
     wgmma_wait<0>();  // dK done: Q of the stage is free
     wgmma_fence_registers(dk);
     mbarrier_arrive(&smem.q_empty[stage]);
