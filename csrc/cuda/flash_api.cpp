@@ -465,13 +465,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
       dlse.has_value() ? std::optional<at::Tensor>(dlse->contiguous()) : std::nullopt;
   delta = empty_written({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   at::Tensor dq_accum = empty_written({s.batch, s.heads, s.len_q, s.head_dim}, q.options().dtype(at::kFloat));
-  // Deterministic: a count of the key blocks added so far per dQ tile (Hopper: dq_tiles per query block; sm80: one).
+  // Deterministic: a count of the key blocks added so far per query block (Hopper: one per dQ writer; sm80: one).
   at::Tensor dq_semaphore;
   if (deterministic) {
     const bool sm90 = path == BwdPath::kSm90;
     const sm90::BwdTileShape tile = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket), causal || options);
     const int64_t block_m = sm90 ? tile.block_m : sm80::kBwdBlockM;
-    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? tile.dq_tiles : 1},
+    dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? sm90::kBwdDqSemaphores : 1},
                              q.options().dtype(at::kInt));
   }
   at::Tensor dk = empty_written(k.sizes(), k.options());
@@ -693,14 +693,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
               "take these inputs (TMA cannot describe the strides of q, k, v or dout), and FLASHATTN_BWD_SM90=strict "
               "or the head dim (above ", kMaxFusedBwdSm80Bucket, ") leaves no other");
   // Deterministic: dQ added in key-block order, semaphores per query block of each head (packed.h's slots; Hopper:
-  // dq_tiles per block), then a flag the kernels read: cu_seqlens that break their rules (computed on the device,
+  // one per dQ writer), then a flag the kernels read: cu_seqlens that break their rules (computed on the device,
   // no synchronisation).
   at::Tensor dq_semaphore;
   if (deterministic) {
     const sm90::BwdTileShape hopper = sm90::bwd_tile_shape(sm90_kernel_head_dim(bucket), /*masked=*/true);
     const int block_m = sm90 ? hopper.block_m : sm80::kBwdBlockM;
-    const int64_t tiles = sm90 ? hopper.dq_tiles : 1;
-    const int64_t num_semaphores = vs.heads * packed_slots(vs.total_q, vs.batch, block_m) * tiles;
+    const int64_t per_block = sm90 ? sm90::kBwdDqSemaphores : 1;
+    const int64_t num_semaphores = vs.heads * packed_slots(vs.total_q, vs.batch, block_m) * per_block;
     dq_semaphore = at::zeros({num_semaphores + 1}, q.options().dtype(at::kInt));
     const auto broken = [](const at::Tensor& cu, int64_t total) {
       return cu.select(0, 0).ne(0).logical_or(cu.select(0, -1).ne(total)).logical_or(at::diff(cu).lt(0).any());

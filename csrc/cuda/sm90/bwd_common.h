@@ -12,6 +12,7 @@
 #include "cuda/sm90/named_barrier.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/sequences.h"
+#include "cuda/sm90/tile_size.h"
 #include "cuda/sm90/wgmma_ops.h"
 
 namespace flashattn::sm90 {
@@ -164,9 +165,9 @@ struct KeyBlock {
     return (static_cast<int64_t>(batch) * p.heads + head(step, p)) * p.len_q;
   }
 
-  // Packed, ordered: the semaphores (H, packed_slots(total_q, B, kBlockM), kDqTiles), then the host's flag.
+  // Packed, ordered: the semaphores (H, packed_slots(total_q, B, kBlockM), kBwdDqSemaphores), then the host's flag.
   __device__ static int64_t num_packed_semaphores(const BwdParams& p) {
-    return static_cast<int64_t>(p.heads) * packed_slots(p.len_q, p.batch, Traits::kBlockM) * Traits::kDqTiles;
+    return static_cast<int64_t>(p.heads) * packed_slots(p.len_q, p.batch, Traits::kBlockM) * kBwdDqSemaphores;
   }
 
   // Ordered dQ: how many key blocks add into query block m before this one. The blocks that see m are consecutive
@@ -183,16 +184,16 @@ struct KeyBlock {
     const int64_t seeing = (reach + Traits::kBlockN - 1) / Traits::kBlockN;  // reach > 0 where this block sees m
     return static_cast<int>(seeing < num_n_blocks ? seeing : num_n_blocks) - 1 - n_block;
   }
-  // The semaphore of dQ tile `tile` (0 .. Traits::kDqTiles - 1) of the step's query block.
-  __device__ int* dq_semaphore(int step, int tile, const BwdParams& p) const {
+  // The semaphore of dQ writer `writer` (0, 1) in the step's query block.
+  __device__ int* dq_semaphore(int step, int writer, const BwdParams& p) const {
     const int64_t m_block = m_start(step) / Traits::kBlockM;
     if constexpr (kSequences) {
       const int64_t slot = static_cast<int64_t>(head(step, p)) * packed_slots(p.len_q, p.batch, Traits::kBlockM) +
                            q_slot0 + m_block;
-      return p.dq_semaphore + slot * Traits::kDqTiles + tile;
+      return p.dq_semaphore + slot * kBwdDqSemaphores + writer;
     }
     const int64_t head_block = (static_cast<int64_t>(batch) * p.heads + head(step, p)) * num_m_blocks + m_block;
-    return p.dq_semaphore + head_block * Traits::kDqTiles + tile;
+    return p.dq_semaphore + head_block * kBwdDqSemaphores + writer;
   }
 };
 
@@ -302,8 +303,9 @@ __device__ __forceinline__ void store_swizzled_fp32_tile(float* tile, const floa
 // (Traits::kDqParts), the consumer's fp32 dQ tile of kDqRows x 64 from shared memory into dq_accum (one TMA
 // reduce-add of two [kDqRows rows][32 columns] boxes, one bulk group), then the tile back to the consumer once read
 // (dq_empty after every tile: the consumer waits for it before writing any tile but a key block's first, and before
-// its epilogue). Ordered (a semaphore per dQ tile), lane 0 first waits until the key blocks before this one have added
-// the tile, and counts its own addition once written; the consumer has its tile back before that, so only the writer
+// its epilogue). Ordered (a semaphore per writer and query block), lane 0 first waits until the key blocks before this
+// one have added the step's tiles, and counts its own additions once all are written (one turn for the step's parts:
+// a turn per part ran the D256 kernel 4-12% slower); the consumer has its tiles back before that, so only the writer
 // waits for its turn, and neither consumer's turn holds up the other's tiles (one warp for both ran the deterministic
 // D256 kernel at 0.68x of a warp each). The caller waits for the last reductions (bulk_wait_group) before the CTA's
 // shared memory goes.
@@ -319,11 +321,11 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
     const int head = block.head(step, p);
     const int row = block.m_start(step) + 64 * Traits::dq_query_block(c);
     const int turn = ordered ? block.dq_turn(block.m_start(step) / Traits::kBlockM, p) : 0;
+    int* const semaphore = ordered ? block.dq_semaphore(step, c, p) : nullptr;
     for (int part = 0; part < Traits::kDqParts; ++part) {
-      int* const semaphore = ordered ? block.dq_semaphore(step, Traits::kDqParts * c + part, p) : nullptr;
       named_barrier_sync(BwdBarrier::dq_full(c), BwdBarrier::kWriterThreads);
       if (lane == 0) {
-        if (ordered) {
+        if (ordered && part == 0) {
           while (ld_acquire_gpu(semaphore) != turn) __nanosleep(100);  // the spin's loads off the line being released
           fence_proxy_async_global();  // the earlier blocks' additions before this one's
         }
@@ -336,11 +338,11 @@ __device__ __forceinline__ void run_dq_writer(const Storage& smem, const CUtenso
       }
       __syncwarp();
       named_barrier_arrive(BwdBarrier::dq_empty(c), BwdBarrier::kWriterThreads);
-      if (ordered && lane == 0) {
-        bulk_wait_group<0>();
-        fence_proxy_async_global();
-        red_release_gpu_add(semaphore, 1);
-      }
+    }
+    if (ordered && lane == 0) {
+      bulk_wait_group<0>();
+      fence_proxy_async_global();
+      red_release_gpu_add(semaphore, 1);
     }
   }
 }

@@ -27,8 +27,8 @@
 // dQ^T = K^T dS^T (wgmma's M is 64 rows; the warpgroups store dS query-major for it). Each goes registers -> swizzled
 // shared memory, and the warpgroup's dQ writer (warp 1 or 2 of the producer warpgroup) adds it into the fp32 dq_accum
 // by one TMA reduce-add: one reduction per element and CTA, in bulk, where per-thread fp32 atomics held the kernel at
-// about half its speed. Deterministic (p.dq_semaphore): each writer waits for its turn before each addition and counts
-// it done once written, so the key blocks add into each dQ tile in a fixed order (KeyBlock::dq_turn) while the
+// about half its speed. Deterministic (p.dq_semaphore): each writer waits for its turn before a step's addition and
+// counts it done once written, so the key blocks add into each dQ tile in a fixed order (KeyBlock::dq_turn) while the
 // consumers go on. lse and delta of the next step are loaded from global memory a step ahead, out of the critical
 // path. dK (times scale) and dV are complete in registers at the end (one writer per element) and leave through the
 // warpgroup's dQ and dS^T tiles in whole 128-byte lines while the next block's K and V load (they were the CTA's last
@@ -85,7 +85,7 @@ struct BwdTraits {
   // Consumer c's dQ tile: query sub-tile and 64-column block of the step's dQ (for the consumer and the writer), one
   // part per step.
   static constexpr int kDqParts = 1;
-  static constexpr int kDqTiles = 2 * kDqParts;  // per step (one semaphore each when ordered)
+  static constexpr int kDqTiles = 2 * kDqParts;  // per step
   __host__ __device__ static constexpr int dq_query_block(int consumer) { return consumer % kQueryBlocks; }
   __host__ __device__ static constexpr int dq_column_block(int consumer, int /*part*/) {
     return consumer / kQueryBlocks;

@@ -57,7 +57,7 @@ struct BwdSplitTraits {
   static constexpr int kTileDQ = kDqRows * 64;  // one consumer's dQ tile, fp32: two TMA boxes of 64 x 32
   // Consumer c's dQ tiles (the writer's side): the step's 64 queries, columns 64 (2 c + part) .. of its half.
   static constexpr int kDqParts = kHalf / 64;
-  static constexpr int kDqTiles = 2 * kDqParts;  // per step (one semaphore each when ordered)
+  static constexpr int kDqTiles = 2 * kDqParts;  // per step
   __host__ __device__ static constexpr int dq_query_block(int /*consumer*/) { return 0; }
   __host__ __device__ static constexpr int dq_column_block(int consumer, int part) {
     return kDqParts * consumer + part;
