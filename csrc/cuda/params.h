@@ -147,8 +147,8 @@ struct BwdParams {
   const float* __restrict__ lse;    // (B, H, Lq) contiguous, natural log, -inf for rows without keys
   const float* __restrict__ delta;  // (B, H, Lq) contiguous: rowsum(dO * O) - dlse
   float* __restrict__ dq_accum;     // (B, H, Lq, D) contiguous, zero on entry; receives dS K (unscaled)
-  // Deterministic dQ: int32 counts of the key blocks added into each dQ tile so far, zero on entry (Hopper kernel,
-  // D <= 128: (B, H, query blocks, 2 tiles); the sm80 sequences variant: launchers.h); null: add in any order.
+  // Deterministic dQ: int32 counts of the key blocks added into each query block so far, zero on entry (Hopper kernels:
+  // (B, H, query blocks, 2 dQ writers); the sm80 sequences variant: launchers.h); null: add in any order.
   int* __restrict__ dq_semaphore;
   // The persistent Hopper kernel (D <= 128): an int32 zero on entry from which its CTAs take key blocks, and its grid
   // bound (the SM count).
