@@ -85,7 +85,6 @@ struct BwdTraits {
   // Consumer c's dQ tile: query sub-tile and 64-column block of the step's dQ (for the consumer and the writer), one
   // part per step.
   static constexpr int kDqParts = 1;
-  static constexpr int kDqTiles = 2 * kDqParts;  // per step
   __host__ __device__ static constexpr int dq_query_block(int consumer) { return consumer % kQueryBlocks; }
   __host__ __device__ static constexpr int dq_column_block(int consumer, int /*part*/) {
     return consumer / kQueryBlocks;
@@ -102,8 +101,7 @@ struct BwdTraits {
   static_assert(HeadDim == 64 || HeadDim == 128, "the Hopper backward covers head dims 64 and 128");
   static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
   static_assert(kStagesDo == kStages, "the consumers index the Q and dO rings by one stage");
-  static_assert(kQueryBlocks * kColumnBlocks == 2 && kDqTiles == bwd_tile_shape(HeadDim, Masked).dq_tiles,
-                "a step's dQ is one tile per consumer warpgroup");
+  static_assert(kQueryBlocks * kColumnBlocks == 2, "a step's dQ is one tile per consumer warpgroup");
   static_assert(kBlockM % 16 == 0 && kTileDS * 2 % 1024 == 0 && kDqRows * 128 % 1024 == 0,
                 "k16 steps over the queries; tiles on 1024-byte swizzle atoms");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,

@@ -56,8 +56,7 @@ struct BwdSplitTraits {
   static constexpr int kDqRows = 64;
   static constexpr int kTileDQ = kDqRows * 64;  // one consumer's dQ tile, fp32: two TMA boxes of 64 x 32
   // Consumer c's dQ tiles (the writer's side): the step's 64 queries, columns 64 (2 c + part) .. of its half.
-  static constexpr int kDqParts = kHalf / 64;
-  static constexpr int kDqTiles = 2 * kDqParts;  // per step
+  static constexpr int kDqParts = kHalf / 64;  // a step's dQ tiles per consumer
   __host__ __device__ static constexpr int dq_query_block(int /*consumer*/) { return 0; }
   __host__ __device__ static constexpr int dq_column_block(int consumer, int part) {
     return kDqParts * consumer + part;
@@ -72,9 +71,7 @@ struct BwdSplitTraits {
   }
   // One warpgroup covers the CTA's keys (wgmma M = 64), a step's queries fill one 128-byte swizzle row of the P^T
   // and dS^T tiles and are the 64 rows of a dQ tile, and the two warpgroups split the columns in halves.
-  static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim &&
-                    kDqTiles == bwd_tile_shape(kHeadDim, true).dq_tiles,
-                "the split backward's fixed shape");
+  static_assert(kBlockN == 64 && kBlockM == 64 && 2 * kHalf == kHeadDim, "the split backward's fixed shape");
   static_assert((kProducerRegs + 2 * kConsumerRegs) * 128 <= (65536 / kNThreads / 8) * 8 * kNThreads,
                 "producer + consumer registers exceed the register file");
 };

@@ -49,21 +49,19 @@ constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t 
 // consumers split the columns), block_m queries per step: 128 at D64, where dK and dV leave the registers room; at D128
 // 80 for the plain kernel without a mask (a step's fixed costs spread over 25% more queries; its dQ is computed
 // transposed, wgmma's M being the head dim) and 64 under a mask, window, softcap or packed sequences, whose steps need
-// the registers. A step's dQ goes to dq_accum as dq_tiles fp32 tiles (64 query rows x 64 columns, or all 80 rows x 64
-// columns) through two dQ writers; ordered, a writer adds its tiles of a step in one turn (kBwdDqSemaphores per query
+// the registers. A step's dQ goes to dq_accum as fp32 tiles (64 query rows x 64 columns, or all 80 rows x 64
+// columns; two a step, four at D256) through two dQ writers; ordered, a writer adds its tiles of a step in one turn (kBwdDqSemaphores per query
 // block: one per writer).
 constexpr int kBwdDqSemaphores = 2;
 
 struct BwdTileShape {
   int block_m;
   int block_n;
-  int dq_tiles;
 };
 
 constexpr BwdTileShape bwd_tile_shape(int kernel_head_dim, bool masked) {
   const int block_m = kernel_head_dim == 64 ? 128 : kernel_head_dim == 128 && !masked ? 80 : 64;
-  const int query_tiles = block_m % 64 == 0 ? block_m / 64 : 1;
-  return {block_m, kernel_head_dim == 256 ? 64 : 128, query_tiles * kernel_head_dim / 64};
+  return {block_m, kernel_head_dim == 256 ? 64 : 128};
 }
 
 // Ordered dQ without a mask: how many (batch, kv head) pairs take turns in the key blocks' start order, so that a key
@@ -92,10 +90,9 @@ static_assert(bwd_ordered_interleave(256, false, 1024, 1, 50 << 20) == 8 &&
                   bwd_ordered_interleave(256, true, 1024, 1, 50 << 20) == 1 &&
                   bwd_ordered_interleave(64, false, 512, 1, 50 << 20) == 32,
               "ordered without a mask at D256: 8 pairs in turn at L1k, 2 at L4k, none from L8k; D64 L512: 32");
-static_assert(bwd_tile_shape(128, false).block_m == 80 && bwd_tile_shape(128, false).dq_tiles == 2 &&
-                  bwd_tile_shape(128, true).block_m == 64 && bwd_tile_shape(64, false).dq_tiles == 2 &&
-                  bwd_tile_shape(256, true).dq_tiles == 4,
-              "backward tiles: 80 queries at D128 without a mask, two or four dQ tiles a step");
+static_assert(bwd_tile_shape(128, false).block_m == 80 && bwd_tile_shape(128, true).block_m == 64 &&
+                  bwd_tile_shape(64, false).block_m == 128 && bwd_tile_shape(256, true).block_n == 64,
+              "backward tiles: 80 queries at D128 without a mask, 128 at D64, 64-key blocks at D256");
 static_assert(fwd_tile_shape(256, false, 4096, 512).block_n == 64 && fwd_tile_shape(256, false, 1, 513).block_n == 80,
               "D256 without a mask: 64-key blocks up to 512 keys");
 
