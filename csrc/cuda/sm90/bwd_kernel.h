@@ -156,6 +156,13 @@ struct BwdSharedStorage {
   __device__ T* q_stage(int stage) const { return q + stage * Traits::kTileQ; }
   __device__ T* dout_stage(int stage) const { return dout + stage * Traits::kTileQ; }
   __device__ T* ds_tile(int buffer, int consumer) const { return ds + (2 * buffer + consumer) * Traits::kTileDS; }
+  // Thread 0, before the CTA's first barrier: the dS handoff's mbarriers, 128 arrivals each (one consumer's threads).
+  __device__ void init_ds_barriers() const {
+    for (int i = 0; i < 4; ++i) {
+      mbarrier_init(&ds_full[i], 128);
+      mbarrier_init(&ds_empty[i], 128);
+    }
+  }
 };
 
 // acc (64 keys x D) += A block, A from registers (P^T or dS^T, k16 steps over the block's queries), block (Q or dO,
@@ -190,10 +197,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   init_bwd_barriers<Traits>(smem);
   if (threadIdx.x == 0) {
     scheduler.init();
-    for (int i = 0; i < 4; ++i) {
-      mbarrier_init(&smem.ds_full[i], 128);
-      mbarrier_init(&smem.ds_empty[i], 128);
-    }
+    smem.init_ds_barriers();
   }
   __syncthreads();
 
