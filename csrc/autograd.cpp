@@ -1,12 +1,13 @@
 // Autograd for the flashattn ops, in C++: fwd and fwd_varlen take their gradients from bwd and bwd_varlen; the
-// backward ops themselves have none (a second backward through them raises). Kept out of Python because a training
-// step calls it every layer: the Python autograd wrapper cost ~0.5 ms of host time per step, more than the GPU time of
-// a short-row attention step.
+// backward ops themselves have none (a second backward through them raises), nor has the forward-only KV-cache op.
+// Kept out of Python because a training step calls it every layer: the Python autograd wrapper cost ~0.5 ms of host
+// time per step, more than the GPU time of a short-row attention step.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -169,6 +170,38 @@ FwdResult fwd_varlen_autograd(const at::Tensor& q, const at::Tensor& k, const at
   return {r[0], r[1]};
 }
 
+const auto& fwd_kvcache_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn::fwd_kvcache", "").typed<FwdResult(
+      const at::Tensor&, at::Tensor&, at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, std::optional<double>, at::IntArrayRef,
+      double, const std::optional<at::Tensor>&, int64_t)>();
+  return op;
+}
+
+// The KV-cache op is forward only: with grad mode on, an input that requires grad raises (its outputs would otherwise
+// carry requires_grad and a backward would silently leave the inputs without gradients). The caches it writes get
+// their version counters bumped, as for any in-place op.
+FwdResult fwd_kvcache_autograd(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                               const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                               const std::optional<at::Tensor>& cache_seqlens,
+                               const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale,
+                               at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks,
+                               int64_t num_splits) {
+  TORCH_CHECK(!torch::autograd::compute_requires_grad(q, k_cache, v_cache, k.value_or(at::Tensor()),
+                                                       v.value_or(at::Tensor()), sinks.value_or(at::Tensor())),
+              "flashattn.fwd_kvcache is forward only: call it under torch.no_grad() or on tensors that do not "
+              "require grad");
+  FwdResult result;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    result = fwd_kvcache_op().call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_size,
+                                   softcap, sinks, num_splits);
+  }
+  torch::autograd::impl::bump_version(k_cache);
+  torch::autograd::impl::bump_version(v_cache);
+  return result;
+}
+
 // The backward ops under autograd: with grad mode on and a tensor input that requires grad (a backward run with
 // create_graph=True), their outputs get a node that raises once something differentiates through them.
 template <typename Run>
@@ -220,4 +253,5 @@ TORCH_LIBRARY_IMPL(flashattn, Autograd, m) {
   m.impl("bwd", &flashattn::bwd_autograd);
   m.impl("fwd_varlen", &flashattn::fwd_varlen_autograd);
   m.impl("bwd_varlen", &flashattn::bwd_varlen_autograd);
+  m.impl("fwd_kvcache", &flashattn::fwd_kvcache_autograd);
 }

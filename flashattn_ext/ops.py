@@ -174,9 +174,6 @@ def flash_attn_with_kvcache(
     replays with new lengths), so their values are not checked there: out-of-range ones are clamped into the cache
     (wrong rows, never an access outside it); the CPU checks them. Returns out (B, H, Lq, D), or (out, lse).
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
-        raise RuntimeError("flash_attn_with_kvcache is forward only: call it under torch.no_grad() or on tensors "
-                           "that do not require grad")
     out, lse = torch.ops.flashattn.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, list(window_size), softcap, sinks,
         num_splits,

@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace flashattn {
@@ -90,6 +91,9 @@ inline VarlenShape check_varlen_inputs(const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0), op,
               ": cu_seqlens_q and cu_seqlens_k must have the same length B + 1, got ", cu_seqlens_q.size(0), " and ",
               cu_seqlens_k.size(0));
+  TORCH_CHECK(cu_seqlens_q.size(0) > 1 || (q.size(0) == 0 && k.size(0) == 0), op,
+              ": with no sequences (cu_seqlens of length 1) q and k must have no rows, got total_q = ", q.size(0),
+              " and total_k = ", k.size(0));
   return {cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), q.size(0), k.size(0), q.size(2)};
 }
 
@@ -137,8 +141,12 @@ inline ScoreMods check_score_mods(const at::Tensor& q, const AttentionShape& s, 
   TORCH_CHECK(window_size[0] >= -1 && window_size[1] >= -1, op,
               ": window_size entries must be >= 0, or -1 for unbounded; got (", window_size[0], ", ", window_size[1],
               ")");
-  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, op, ": softcap must be finite and >= 0 (0: off), got ",
-              softcap);
+  // The kernels hold softcap in float32: a positive cap must be a normal float32 (a smaller one would round to 0,
+  // which means off; a larger one to inf).
+  TORCH_CHECK(softcap == 0.0 || (softcap >= std::numeric_limits<float>::min() &&
+                                 softcap <= std::numeric_limits<float>::max()),
+              op, ": softcap must be 0 (off) or a positive float32 from ", std::numeric_limits<float>::min(), " to ",
+              std::numeric_limits<float>::max(), ", got ", softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == s.heads, op, ": sinks must have shape (H,) = (", s.heads,
                 ",), got ", sinks->sizes());
@@ -221,8 +229,8 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
   KvCacheShape s{q.size(0), q.size(1), k_cache.size(1), q.size(2), q.size(3), 0, 0, 0, 0, block_table.has_value()};
   TORCH_CHECK(k_cache.size(3) == s.head_dim && s.head_dim >= 1, op, ": q and the caches must have the same head dim "
               "D >= 1, got ", s.head_dim, " and ", k_cache.size(3));
-  TORCH_CHECK(s.heads_kv > 0 && s.heads % s.heads_kv == 0, op, ": the number of kv heads (", s.heads_kv,
-              ") must divide the number of query heads (", s.heads, ")");
+  TORCH_CHECK(s.heads_kv > 0 ? s.heads % s.heads_kv == 0 : s.heads == 0, op, ": the number of kv heads (",
+              s.heads_kv, ") must divide the number of query heads (", s.heads, ")");
   if (s.paged) {
     const at::Tensor& bt = *block_table;
     TORCH_CHECK(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == s.batch, op,
@@ -230,8 +238,12 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
                 " ", bt.sizes());
     TORCH_CHECK(bt.device() == q.device(), op, ": block_table must be on q's device");
     s.num_pages = k_cache.size(0);
-    TORCH_CHECK(s.num_pages > 0, op, ": a paged k_cache must hold at least one page, got shape ", k_cache.sizes());
+    TORCH_CHECK(s.num_pages > 0 && s.num_pages <= std::numeric_limits<int32_t>::max(), op,
+                ": a paged k_cache must hold from 1 to 2^31 - 1 pages (block_table is int32), got shape ",
+                k_cache.sizes());
     s.page_size = k_cache.size(2);
+    TORCH_CHECK(s.page_size >= 1, op, ": a paged k_cache must have pages of at least one row, got shape ",
+                k_cache.sizes());
     s.capacity = bt.size(1) * s.page_size;
   } else {
     TORCH_CHECK(k_cache.size(0) == s.batch, op, ": a dense k_cache must have q's batch size ", s.batch, ", got ",
@@ -250,6 +262,8 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
     }
     TORCH_CHECK(k->size(2) == v->size(2), op, ": k and v must have the same length Lnew");
     s.len_new = k->size(2);
+    TORCH_CHECK(s.len_new <= s.capacity, op, ": k and v must fit in the cache: Lnew = ", s.len_new,
+                " is more than its ", s.capacity, " rows", s.paged ? " (max_pages * page_size)" : " (Lmax)");
   }
   if (cache_seqlens.has_value()) {
     const at::Tensor& c = *cache_seqlens;
@@ -258,10 +272,12 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
                 c.sizes());
     TORCH_CHECK(c.device() == q.device(), op, ": cache_seqlens must be on q's device");
   }
-  for (const at::Tensor* t : {&q, &k_cache, &v_cache, k.has_value() ? &*k : nullptr, v.has_value() ? &*v : nullptr}) {
+  for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache},
+                                std::pair{"k", k.has_value() ? &*k : nullptr},
+                                std::pair{"v", v.has_value() ? &*v : nullptr}}) {
     if (t == nullptr) continue;
-    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, op,
-                ": q, the caches, k and v must have stride(-1) == 1 (contiguous last dimension)");
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) == 1, op, ": ", name,
+                " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(3));
   }
   return s;
 }

@@ -591,6 +591,9 @@ template <typename Fn>
 void for_each_sequence(const at::Tensor& cu_q, const at::Tensor& cu_k, const at::Tensor& q, const VarlenShape& vs,
                        bool causal, at::IntArrayRef window_size, double softcap,
                        const std::optional<at::Tensor>& sinks, const char* op, Fn&& fn) {
+  // Checked once for the whole pack (as on CUDA), so that a call without sequences is checked too.
+  check_score_mods(q, AttentionShape{1, vs.heads, vs.heads_kv, vs.total_q, vs.total_k, vs.head_dim}, causal,
+                   window_size, softcap, sinks, op);
   const int32_t* cq = cu_q.data_ptr<int32_t>();
   const int32_t* ck = cu_k.data_ptr<int32_t>();
   for (int64_t b = 0; b < vs.batch; ++b) {
@@ -680,6 +683,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
   const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, op);
   check_cpu_dtype(q.scalar_type(), op);
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
+  // Checked before anything is written to the caches (as on CUDA); normalised below for each entry's keys.
+  check_score_mods(q, AttentionShape{ks.batch, ks.heads, ks.heads_kv, ks.len_q, ks.capacity, ks.head_dim}, causal,
+                   window_size, softcap, sinks, op);
   const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();
   const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
   std::vector<int64_t> valid(ks.batch);

@@ -76,15 +76,15 @@ at::Tensor with_aligned_rows(const at::Tensor& t) {
   return row_alignment_violation(t).empty() ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// CUDA-only rules for the q, k, v the kernels read, shared by fwd and bwd.
+// CUDA-only rules for the q, k, v the kernels read, shared by fwd and bwd (k and v named as the op names them).
 void check_cuda_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const AttentionShape& s) {
+                       const AttentionShape& s, const char* k_name = "k", const char* v_name = "v") {
   TORCH_CHECK(q.is_cuda(), op, ": expected CUDA tensors, got q on ", q.device());
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
               ": CUDA supports float16 and bfloat16; cast q, k, v to one of them (got ", q.scalar_type(), ")");
   TORCH_CHECK(s.head_dim % 8 == 0 && s.head_dim <= 256, op,
               ": on CUDA the head dim must be a multiple of 8 and at most 256, got ", s.head_dim);
-  for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
+  for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{k_name, &k}, std::pair{v_name, &v}}) {
     const std::string violation = row_alignment_violation(*t);
     TORCH_CHECK(violation.empty(), op, ": ", name, violation);
   }
@@ -779,7 +779,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   constexpr const char* op = "flashattn.fwd_kvcache";
   const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, op);
   const AttentionShape s{ks.batch, ks.heads, ks.heads_kv, ks.len_q, ks.capacity, ks.head_dim};
-  check_cuda_inputs(op, q, k_cache, v_cache, s);
+  check_cuda_inputs(op, q, k_cache, v_cache, s, "k_cache", "v_cache");
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
   const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
   const int bucket = built_bucket(ks.head_dim, op);

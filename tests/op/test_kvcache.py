@@ -12,10 +12,13 @@ fwd_kvcache = torch.ops.flashattn.fwd_kvcache
 B, H, HK, D, LMAX = 3, 4, 2, 16, 96
 
 
-def dense_cache(dtype=torch.float32, poison=True):
-    """k_cache, v_cache (B, Hk, LMAX, D); with poison, NaN everywhere (valid positions are written by the caller)."""
+def dense_cache(dtype=torch.float32, lengths=None):
+    """k_cache, v_cache (B, Hk, LMAX, D) of random values; with `lengths`, NaN past each entry's valid length."""
     k_cache = torch.randn(B, HK, LMAX, D, dtype=dtype)
     v_cache = torch.randn(B, HK, LMAX, D, dtype=dtype)
+    if lengths is not None:
+        poison_past(k_cache, lengths)
+        poison_past(v_cache, lengths)
     return k_cache, v_cache
 
 
@@ -75,9 +78,7 @@ def mods_for(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dense_cache(dtype, len_q, len_new, mods):
     lengths = [0, 37, LMAX - len_new]  # an empty cache, a partial one, one that the append fills
-    k_cache, v_cache = dense_cache(dtype)
-    poison_past(k_cache, lengths)
-    poison_past(v_cache, lengths)
+    k_cache, v_cache = dense_cache(dtype, lengths)
     q = torch.randn(B, H, len_q, D, dtype=dtype)
     k = torch.randn(B, HK, len_new, D, dtype=dtype) if len_new else None
     v = torch.randn(B, HK, len_new, D, dtype=dtype) if len_new else None
@@ -98,6 +99,7 @@ def assert_paged_matches_dense(q, caches, pages, block_table, k, v, seqlens, pag
     """The paged cache gives the dense cache's output bit for bit, and the appended rows landed in the right pages."""
     dense_out = flashattn_ext.flash_attn_with_kvcache(q, *caches, k, v, seqlens, **kwargs)
     paged_out = flashattn_ext.flash_attn_with_kvcache(q, *pages, k, v, seqlens, block_table, **kwargs)
+    assert torch.isfinite(dense_out).all(), "nothing past a valid length may reach the output"
     assert torch.equal(paged_out, dense_out)
     for b, n in enumerate(seqlens.tolist()):
         for t in range(k.shape[2]):
@@ -108,8 +110,8 @@ def assert_paged_matches_dense(q, caches, pages, block_table, k, v, seqlens, pag
 @pytest.mark.parametrize("page_size", [16, 32, 96])
 @pytest.mark.parametrize("mods", ["causal", "softcap-sinks"])
 def test_paged_cache_matches_dense(page_size, mods):
-    lengths, len_new = [5, 60, LMAX - 2], 2
-    k_cache, v_cache = dense_cache()
+    lengths, len_new = [0, 60, LMAX - 2], 2  # an empty entry, a partial one, one that the append fills
+    k_cache, v_cache = dense_cache(lengths=lengths)
     k_pages, v_pages, block_table = paged_from_dense(k_cache, v_cache, page_size)
     q = torch.randn(B, H, 2, D)
     k, v = torch.randn(B, HK, len_new, D), torch.randn(B, HK, len_new, D)
@@ -120,23 +122,23 @@ def test_paged_cache_matches_dense(page_size, mods):
 
 def test_paged_cache_in_token_major_layout():
     # A (num_pages, page_size, Hk, D) cache (vLLM's) passes as a transposed view, written in place through it.
-    k_cache, v_cache = dense_cache()
+    seqlens = torch.tensor([3, 40, 70], dtype=torch.int32)
+    k_cache, v_cache = dense_cache(lengths=seqlens.tolist())
     k_pages, v_pages, block_table = paged_from_dense(k_cache, v_cache, 16)
     k_tok, v_tok = k_pages.transpose(1, 2).contiguous(), v_pages.transpose(1, 2).contiguous()
     q, k, v = torch.randn(B, H, 1, D), torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
-    seqlens = torch.tensor([3, 40, 70], dtype=torch.int32)
     want = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, causal=True)
     got = flashattn_ext.flash_attn_with_kvcache(q, k_tok.transpose(1, 2), v_tok.transpose(1, 2), k, v, seqlens,
                                                 block_table, causal=True)
-    assert torch.equal(got, want)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
     # The same appends landed in both caches (spare pages hold NaN).
     torch.testing.assert_close(k_tok.transpose(1, 2), k_pages, rtol=0, atol=0, equal_nan=True)
 
 
 def test_against_reference():
-    k_cache, v_cache = dense_cache(torch.float64)
-    q = torch.randn(B, H, 3, D, dtype=torch.float64)
     lengths = [4, 50, 96]
+    k_cache, v_cache = dense_cache(torch.float64, lengths)
+    q = torch.randn(B, H, 3, D, dtype=torch.float64)
     out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(
         lengths, dtype=torch.int32), causal=True, return_lse=True)
     for b, n in enumerate(lengths):
@@ -156,8 +158,19 @@ def test_gradients_are_refused():
     q = torch.randn(B, H, 1, D, requires_grad=True)
     with pytest.raises(RuntimeError, match="forward only"):
         flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+    with pytest.raises(RuntimeError, match="forward only"):  # the op itself, not only the function
+        fwd_kvcache(q, k_cache, v_cache)
     with torch.no_grad():
-        flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+        out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert not out.requires_grad
+
+
+def test_the_caches_versions_move_with_each_call():
+    k_cache, v_cache = dense_cache()
+    k, v = torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
+    before = k_cache._version, v_cache._version
+    fwd_kvcache(torch.randn(B, H, 1, D), k_cache, v_cache, k, v, torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert k_cache._version > before[0] and v_cache._version > before[1]
 
 
 def test_compile_fullgraph():
@@ -184,24 +197,57 @@ def test_opcheck():
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(cache_seqlens=torch.tensor([0, 1, 96], dtype=torch.int32)), r"cache_seqlens\[2\] \+ Lnew must lie in"),
         (dict(cache_seqlens=torch.tensor([0, 1], dtype=torch.int32)), r"cache_seqlens must be int32 of shape \(B,\)"),
         (dict(v=None), "k and v must be given together"),
         (dict(block_table=torch.zeros(3, 2, dtype=torch.int64)), "block_table must be int32"),
         (dict(k=torch.randn(B, HK, 1, 8)), r"k must have shape \(B, Hk, Lnew, D\)"),
         (dict(k_cache=torch.randn(0, HK, 16, D), v_cache=torch.randn(0, HK, 16, D),
-              block_table=torch.zeros(B, 1, dtype=torch.int32)), "must hold at least one page"),
+              block_table=torch.zeros(B, 1, dtype=torch.int32)), "must hold from 1 to 2\\^31 - 1 pages"),
         (dict(num_splits=-1), "num_splits must be >= 0"),
+        (dict(k_cache=torch.randn(4, HK, 0, D), v_cache=torch.randn(4, HK, 0, D),
+              block_table=torch.zeros(B, 1, dtype=torch.int32)), "pages of at least one row"),
+        (dict(k=torch.randn(B, HK, LMAX + 1, D), v=torch.randn(B, HK, LMAX + 1, D)), "k and v must fit in the cache"),
+        (dict(k_cache=lambda device, dtype: torch.randn(B, HK, LMAX, 2 * D, dtype=dtype, device=device)[..., ::2]),
+         r"k_cache must have stride\(-1\) == 1"),
+        (dict(softcap=-1.0), "softcap must be 0"),
+        (dict(window_size=[-2, 0]), "window_size entries must be >= 0"),
+        (dict(sinks=torch.zeros(H + 1)), r"sinks must have shape \(H,\)"),
     ],
-    ids=["overflow", "seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages", "negative-splits"],
+    ids=["seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages", "negative-splits",
+         "empty-pages", "lnew-over-capacity", "cache-stride", "softcap", "window", "sinks"],
 )
-def test_bad_arguments(change, message):
-    k_cache, v_cache = dense_cache()
-    args = dict(q=torch.randn(B, H, 1, D), k_cache=k_cache, v_cache=v_cache, k=torch.randn(B, HK, 1, D),
-                v=torch.randn(B, HK, 1, D), cache_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32))
+def test_bad_arguments(device, change, message):
+    """Every rule is checked before anything is written: the caches are as they were."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    k_cache, v_cache = dense_cache(dtype)
+    args = dict(q=torch.randn(B, H, 1, D, dtype=dtype), k_cache=k_cache, v_cache=v_cache,
+                k=torch.randn(B, HK, 1, D, dtype=dtype), v=torch.randn(B, HK, 1, D, dtype=dtype),
+                cache_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32))
     args.update(change)
+    for name, value in args.items():
+        if callable(value):
+            args[name] = value(device, dtype)
+        elif isinstance(value, torch.Tensor):
+            args[name] = value.to(device, dtype if value.is_floating_point() and name != "sinks" else value.dtype)
+    before = args["k_cache"].clone(), args["v_cache"].clone()
     with pytest.raises(RuntimeError, match=message):
         fwd_kvcache(**args)
+    assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+def test_no_query_heads(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cache = torch.randn(B, 0, LMAX, D, dtype=dtype, device=device)
+    out, lse = fwd_kvcache(torch.randn(B, 0, 1, D, dtype=dtype, device=device), cache, cache.clone())
+    assert out.shape == (B, 0, 1, D) and lse.shape == (B, 0, 1)
+
+
+def test_lengths_out_of_range():
+    """The CPU reads cache_seqlens and checks them (CUDA reads them on the device only: clamped there)."""
+    k_cache, v_cache = dense_cache()
+    with pytest.raises(RuntimeError, match=r"cache_seqlens\[2\] \+ Lnew must lie in"):
+        fwd_kvcache(torch.randn(B, H, 1, D), k_cache, v_cache, torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D),
+                    torch.tensor([0, 1, 96], dtype=torch.int32))
 
 
 def test_block_table_out_of_range():

@@ -360,12 +360,16 @@ def test_opcheck_with_mods(device):
     [
         (dict(window_size=[-2, 0]), "window_size entries must be >= 0, or -1"),
         (dict(window_size=[0, 0, 0]), "window_size must be"),
-        (dict(softcap=-1.0), "softcap must be finite and >= 0"),
-        (dict(softcap=math.inf), "softcap must be finite and >= 0"),
+        (dict(softcap=-1.0), "softcap must be 0 \\(off\\) or a positive float32"),
+        (dict(softcap=math.inf), "softcap must be 0 \\(off\\) or a positive float32"),
+        (dict(softcap=math.nan), "softcap must be 0 \\(off\\) or a positive float32"),
+        (dict(softcap=1e39), "softcap must be 0 \\(off\\) or a positive float32"),  # inf in float32
+        (dict(softcap=1e-46), "softcap must be 0 \\(off\\) or a positive float32"),  # 0 (off) in float32
         (dict(sinks=torch.zeros(3)), r"sinks must have shape \(H,\)"),
         (dict(sinks=torch.zeros(4, dtype=torch.float64)), "sinks must be float32"),
     ],
-    ids=["window-neg", "window-len", "softcap-neg", "softcap-inf", "sinks-shape", "sinks-dtype"],
+    ids=["window-neg", "window-len", "softcap-neg", "softcap-inf", "softcap-nan", "softcap-huge", "softcap-tiny",
+         "sinks-shape", "sinks-dtype"],
 )
 def test_bad_mods(device, kwargs, message):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16

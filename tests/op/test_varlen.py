@@ -212,6 +212,24 @@ def test_bad_arguments(args, message):
         fwd_varlen(*args)
 
 
+@pytest.mark.parametrize(
+    "rows,kwargs,message",
+    [
+        (3, {}, "with no sequences .* q and k must have no rows"),
+        (0, dict(softcap=-3.0), "softcap must be 0"),
+        (0, dict(window_size=[-4, -4]), "window_size entries must be >= 0"),
+    ],
+    ids=["rows", "softcap", "window"],
+)
+def test_bad_arguments_without_sequences(device, rows, kwargs, message):
+    """cu_seqlens of one entry (no sequences): checked as any other call."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q = torch.randn(rows, 2, 8, dtype=dtype, device=device)
+    cu = torch.zeros(1, dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match=message):
+        flashattn_ext.flash_attn_varlen(q, q, q, cu, cu, **kwargs)
+
+
 # ---- CUDA: one launch over every sequence ---------------------------------------------------------------------------
 
 
