@@ -1,4 +1,6 @@
 """The CUDA backward kernels against the CPU backend (float32) on the same inputs and output gradients."""
+import os
+
 import pytest
 import torch
 
@@ -127,3 +129,21 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
             dout, q, k, v = args[:4]
             mods = {key: kwargs[key] for key in ("causal", "window_size", "softcap") if key in kwargs}
             assert_grads_close(small, q, k, v, dout, kwargs["dlse"], **mods)
+
+
+@pytest.mark.cuda
+@pytest.mark.large
+@pytest.mark.skipif(os.environ.get("FLASHATTN_TEST_LARGE") != "1", reason="set FLASHATTN_TEST_LARGE=1 (~45 GiB)")
+def test_cuda_backward_of_more_than_2_31_elements():
+    # q, out, dout and dq of more than 2^31 elements: the entries past the mark get their gradients (64-bit offsets
+    # in the kernels, the preprocessing and the dQ conversion).
+    from reference import assert_grads_close
+
+    batch, heads, length, head_dim = 65537, 8, 32, 128
+    q, k, v = make_qkv(batch, heads, heads, length, length, head_dim, torch.bfloat16, "cuda")
+    assert q.numel() > 2**31
+    dout, out, lse, dlse = op_inputs(q, k, v, True)
+    grads = bwd(dout, q, k, v, out, lse, True, None, dlse)
+    for b in (0, batch // 2, batch - 1):
+        sl = slice(b, b + 1)
+        assert_grads_close(tuple(g[sl] for g in grads[:3]), q[sl], k[sl], v[sl], dout[sl], dlse[sl], True)

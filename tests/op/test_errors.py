@@ -24,6 +24,11 @@ def raises(fragment):
     return pytest.raises(RuntimeError, match=re.escape(fragment))
 
 
+def raises_all(*fragments):
+    """A RuntimeError whose message has the fragments in this order."""
+    return pytest.raises(RuntimeError, match=".*".join(map(re.escape, fragments)))
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 @pytest.mark.parametrize("rank", [3, 5])
 def test_wrong_rank(device, which, rank):
@@ -128,6 +133,49 @@ def test_mixed_devices(cpu_tensor):
     tensors[cpu_tensor] = tensors[cpu_tensor].cpu()
     with raises("same device"):
         fwd(tensors["q"], tensors["k"], tensors["v"])
+
+
+def misaligned(t, how):
+    """t's values in a tensor whose rows break the kernels' 16-byte rule: "pointer" starts 2 bytes past a 16-byte
+    boundary, "stride" has rows 4 elements longer than D (a stride that is not a multiple of 8)."""
+    if how == "pointer":
+        return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+    padded = torch.empty(*t.shape[:-1], t.shape[-1] + 4, dtype=t.dtype, device=t.device)
+    return padded[..., : t.shape[-1]].copy_(t)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how,message", [("pointer", "must be 16-byte aligned"),
+                                         ("stride", "must be a multiple of 8 elements")])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_cuda_rows_not_16_byte_aligned(which, how, message):
+    tensors = dict(zip("qkv", qkv("cuda")))
+    tensors[which] = misaligned(tensors[which], how)
+    with raises_all(f"flashattn.fwd: {which}", message):
+        fwd(tensors["q"], tensors["k"], tensors["v"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how,message", [("pointer", "must be 16-byte aligned"),
+                                         ("stride", "must be a multiple of 8 elements")])
+@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache"])
+def test_cuda_kvcache_rows_not_16_byte_aligned(which, how, message):
+    q = torch.randn(2, 4, 1, 64, dtype=torch.float16, device="cuda")
+    tensors = dict(q=q, k_cache=torch.randn(2, 2, 32, 64, dtype=torch.float16, device="cuda"))
+    tensors["v_cache"] = torch.randn_like(tensors["k_cache"])
+    tensors[which] = misaligned(tensors[which], how)
+    with raises_all(f"flashattn.fwd_kvcache: {which}", message):
+        torch.ops.flashattn.fwd_kvcache(tensors["q"], tensors["k_cache"], tensors["v_cache"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how,message", [("pointer", "must be 16-byte aligned"),
+                                         ("stride", "must be a multiple of 8 elements")])
+def test_cuda_varlen_rows_not_16_byte_aligned(how, message):
+    q = torch.randn(24, 4, 64, dtype=torch.float16, device="cuda")
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32, device="cuda")
+    with raises_all("flashattn.fwd_varlen: q", message):
+        torch.ops.flashattn.fwd_varlen(misaligned(q, how), q, q, cu, cu)
 
 
 # ---- flashattn.bwd: its extra arguments must match what fwd produced (check_bwd_inputs) ------------------------

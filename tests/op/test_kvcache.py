@@ -259,7 +259,7 @@ def test_block_table_out_of_range():
                     block_table)
 
 
-# ---- CUDA: the sm80 sequences variant over each entry's valid keys ---------------------------------------------------
+# ---- CUDA: the decode path (Lq <= 16) over each entry's valid keys -------------------------------------------------
 
 CUDA_LMAX, CUDA_D = 512, 64
 
@@ -377,6 +377,55 @@ def test_cuda_graph_replays_new_lengths():
         graph.replay()
         want = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
         assert torch.equal(out, want)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_a_paged_append():
+    # A decoding step (a token appended to a paged cache, then attention) captured once replays with new lengths
+    # (entries of length 0 too) and new tokens: the eager step's output and pages, bit for bit, on copies of the pages.
+    k_cache, v_cache = cuda_caches([CUDA_LMAX // 2] * B)  # NaN from row 256 on
+    k_pages, v_pages, block_table = cuda_pages(k_cache, v_cache, 64)
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, HK, 1, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.tensor([1, 2, 3], dtype=torch.int32, device="cuda")
+
+    def step(k_pages, v_pages):
+        return flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, causal=True)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step(k_pages, v_pages)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step(k_pages, v_pages)
+    torch.cuda.current_stream().wait_stream(stream)
+    for lengths in ([0, 100, CUDA_LMAX // 2], [200, 0, 7], [63, 64, 65]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        for t in (q, k, v):
+            t.normal_()
+        pages = (k_pages.clone(), v_pages.clone())
+        want = step(*pages)
+        graph.replay()
+        assert torch.isfinite(want).all() and torch.equal(out, want)
+        for got_pages, want_pages in zip((k_pages, v_pages), pages):  # as bits: rows past the lengths hold NaN
+            assert torch.equal(got_pages.view(torch.int16), want_pages.view(torch.int16))
+
+
+@pytest.mark.cuda
+def test_cuda_paged_cache_in_token_major_layout():
+    # A (num_pages, page_size, Hk, D) cache (vLLM's), passed as a transposed view: the same bits and the same appends.
+    lengths = [3, 300, CUDA_LMAX - 1]
+    k_pages, v_pages, block_table = cuda_pages(*cuda_caches(lengths), 64)
+    k_tok, v_tok = (pages.transpose(1, 2).contiguous() for pages in (k_pages, v_pages))
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, HK, 1, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    want = flashattn_ext.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, seqlens, block_table, causal=True)
+    got = flashattn_ext.flash_attn_with_kvcache(q, k_tok.transpose(1, 2), v_tok.transpose(1, 2), k, v, seqlens,
+                                                block_table, causal=True)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    for tok, pages in ((k_tok, k_pages), (v_tok, v_pages)):
+        assert torch.equal(tok.transpose(1, 2).view(torch.int16), pages.view(torch.int16))
 
 
 @pytest.mark.cuda
