@@ -8,7 +8,14 @@ import torch
 
 import flashattn_ext
 from isolated import run_isolated
-from reference import assert_attention_close, assert_grads_close, attention_grads, free_nan_blocks, leaves
+from reference import (
+    assert_attention_close,
+    assert_grads_close,
+    attention_grads,
+    free_nan_blocks,
+    leaves,
+    rows_with_keys,
+)
 
 fwd_varlen = torch.ops.flashattn.fwd_varlen
 bwd_varlen = torch.ops.flashattn.bwd_varlen
@@ -369,9 +376,12 @@ def test_cuda_nan_in_other_sequences_never_leaks(causal, nan_in):
             for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k)):
                 t[rows] = float("nan")
     out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, causal=causal)
-    for b, rows_q, _ in sequences(cu_q, cu_k):
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
         if (b == 1) != (nan_in == "middle"):
             assert torch.equal(out[rows_q], alone[b][0]) and torch.equal(lse[:, rows_q], alone[b][1])
+        else:  # a NaN sequence: each of its rows that sees a key is NaN
+            keyed = rows_with_keys(rows_q.stop - rows_q.start, rows_k.stop - rows_k.start, causal, q.device)
+            assert out[rows_q][keyed].isnan().all() and lse[:, rows_q][:, keyed].isnan().all()
 
 
 @pytest.mark.cuda
