@@ -1,7 +1,7 @@
-// Autocast for flashattn.fwd and fwd_varlen, as SDPA has it: under torch.autocast(device, dtype), the floating q, k and v that are
-// not float64 are cast to the autocast dtype (fp32 inputs, or a mix such as fp32 q and k after a QK-norm that
-// autocast ran in fp32 with a bf16 v) and the op runs in that dtype; sinks stay float32. Outside autocast nothing is
-// cast, and mixed dtypes raise. The casts are differentiable, so gradients reach the inputs in their own dtypes; the
+// Autocast for flashattn.fwd and fwd_varlen, as SDPA has it: under torch.autocast(device, dtype), the floating q, k and
+// v that are not float64 are cast to the autocast dtype (fp32 inputs, or a mix such as fp32 q and k after a QK-norm
+// that autocast ran in fp32 with a bf16 v) and the op runs in that dtype; sinks stay float32. Outside autocast nothing
+// is cast, and mixed dtypes raise. The casts are differentiable, so gradients reach the inputs in their own dtypes; the
 // backward op needs no rule of its own (autograd calls it with the tensors the forward ran on).
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>

@@ -136,7 +136,12 @@ def assert_output_properties(out: Tensor, lse: Tensor, q: Tensor) -> None:
 
 
 def assert_error_within(
-    out: Tensor, ref: Tensor, low_precision: list[Tensor], rows: Optional[Tensor], what: str, floor: Optional[float] = None
+    out: Tensor,
+    ref: Tensor,
+    low_precision: list[Tensor],
+    rows: Optional[Tensor],
+    what: str,
+    floor: Optional[float] = None,
 ) -> None:
     """FlashAttention's rule on the rows `rows`: err(out) <= ERROR_FACTOR * max err(low_precision) + floor
     (floor: OUT_FLOOR of out's dtype unless given)."""

@@ -6,8 +6,9 @@ and the clock event reasons: at what clock each kernel runs once the card settle
 
 A shape is D:nc|c:L with B = 16384 // L and H = 2048 // D, as in bench_sdpa.py's grid. For each run it prints the
 TFLOP/s over the second half of the run and over its first 50 calls, and the medians of the samples taken after the
-first third of the run. On the H200 (LOG.md, Method) every kernel probed ran at the 700 W cap (clock event reason 0x4, software power cap), which short benchmark windows and
-Nsight Compute's locked clocks (benchmarks/lab/ncu_ab.py) do not show.
+first third of the run. On the H200 (LOG.md, Method) every kernel probed ran at the 700 W cap (clock event reason 0x4,
+software power cap), which short benchmark windows and Nsight Compute's locked clocks (benchmarks/lab/ncu_ab.py) do not
+show.
 """
 import argparse
 import statistics
@@ -80,7 +81,8 @@ def sustained_run(fn, flops, seconds, field):
         clock, power, temperature, reasons = summarise_samples(log.readlines())
     tflops = lambda times: flops / statistics.median(times) / 1e9
     first = per_call_ms[:50 // CALLS_PER_TIMING]
-    return (f"{tflops(per_call_ms[len(per_call_ms) // 2:]):5.0f} TFLOP/s sustained (first 50 calls {tflops(first):4.0f}),"
+    sustained = tflops(per_call_ms[len(per_call_ms) // 2:])
+    return (f"{sustained:5.0f} TFLOP/s sustained (first 50 calls {tflops(first):4.0f}),"
             f" SM {clock:5.0f} MHz, {power:4.0f} W, {temperature:3.0f} C, reasons {reasons}")
 
 
@@ -108,8 +110,8 @@ def main():
         q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * batch * heads * length * length * head_dim / (2 if causal else 1)
         tag = f"D{head_dim} {'c ' if causal else 'nc'} L{length}"
-        print(tag, "ours ", sustained_run(lambda: flashattn_ext.flash_attn(q, k, v, causal), flops, args.seconds, field),
-              flush=True)
+        ours = sustained_run(lambda: flashattn_ext.flash_attn(q, k, v, causal), flops, args.seconds, field)
+        print(tag, "ours ", ours, flush=True)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             print(tag, "cudnn", sustained_run(run, flops, args.seconds, field), flush=True)

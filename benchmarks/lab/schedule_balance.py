@@ -1,16 +1,15 @@
 """Static model of the Hopper forward's tile schedules: how evenly the persistent CTAs share the causal work.
 
-Each tile (query rows of one batch and head: 192 at D64 from 1024 rows, else 128, as tile_size.h's
-sm90_causal_block_m) costs its number of key blocks; a CTA's time is the sum over its tiles; the slowest CTA sets the
-kernel's time. The script replays the kernel's tile numbering (Tile in csrc/cuda/sm90/tile_scheduler.h) under the
-schedules and prints the slowest CTA's work over the ideal (total work / number of SMs): 1.00 is perfect. The static
-ones: a fixed stride (forward v2), zigzag rounds on all SMs (v5), and zigzag rounds on a grid aligned to the query
-blocks per head (what v8 runs where the host finds such a grid: csrc/cuda/sm90/tile_scheduler.h, causal_zigzag_grid,
-whose rule is stricter than zigzag_grid_size below). The counter (the causal fallback): each CTA takes the next tile when
-it finishes one, in head order (v8-v14), or with the last heads' tiles longest first across them (v15:
-tile_scheduler.h, counter_order). The model reproduces the measured cliffs of v2 and v5 (LOG.md: D128 L16k, D256 L8k
-and L16k) and the counter's deficit against zigzag in head order (v13, call 8), so it is used to choose schedules
-before spending GPU time.
+Each tile (query rows of one batch and head: 192 at D64 from 1024 rows, else 128, as tile_size.h's sm90_causal_block_m)
+costs its number of key blocks; a CTA's time is the sum over its tiles; the slowest CTA sets the kernel's time. The
+script replays the kernel's tile numbering (Tile in csrc/cuda/sm90/tile_scheduler.h) under the schedules and prints the
+slowest CTA's work over the ideal (total work / number of SMs): 1.00 is perfect. The static ones: a fixed stride
+(forward v2), zigzag rounds on all SMs (v5), and zigzag rounds on a grid aligned to the query blocks per head (what v8
+runs where the host finds such a grid: csrc/cuda/sm90/tile_scheduler.h, causal_zigzag_grid, whose rule is stricter than
+zigzag_grid_size below). The counter (the causal fallback): each CTA takes the next tile when it finishes one, in head
+order (v8-v14), or with the last heads' tiles longest first across them (v15: tile_scheduler.h, counter_order). The
+model reproduces the measured cliffs of v2 and v5 (LOG.md: D128 L16k, D256 L8k and L16k) and the counter's deficit
+against zigzag in head order (v13, call 8), so it is used to choose schedules before spending GPU time.
 
     python benchmarks/lab/schedule_balance.py [--sms 132] [--lengths 1024,...] [--head-dims 64,128,256]
 """

@@ -222,10 +222,10 @@ def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causa
     # dominates each row that sees it, and the blocks before it are turned back by the Hopper forward's optimistic
     # exponentials (softmax.h, ExpPolicy::kOptimistic: S computed again, then the max-based update; at growth 1.0 after
     # overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 (128-key blocks at every
-    # length; causal at 5000 keys, where an earlier kernel took 176-key blocks) and the stream-K tail (12 key blocks
-    # or more; at 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a mask) and 80-key blocks;
-    # 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A negative scale
-    # takes the negated scores through the same path.
+    # length; causal at 5000 keys, where an earlier kernel took 176-key blocks) and the stream-K tail (12 key blocks or
+    # more; at 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a mask) and
+    # 80-key blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A
+    # negative scale takes the negated scores through the same path.
     heads = 24
     q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
     scale = sign / math.sqrt(head_dim)

@@ -9,7 +9,8 @@
 //                transposed by stmatrix (store_transposed_tile) as a K-major [80][64] tile, read by wgmma as B against
 //                an M-major A (dQ^T = K^T dS^T), and that fp32 result stored transposed into the dQ boxes
 //                (store_transposed_fp32_tile).
-//   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h, as the plan of fwd_plan.h runs it) on contiguous bf16 (B, H, L, D) inputs.
+//   attention_probe: the sm90 forward kernel (csrc/cuda/sm90/fwd_kernel.h, as the plan of fwd_plan.h runs it) on
+//                contiguous bf16 (B, H, L, D) inputs.
 //   tma_negative_rows_probe: a TMA box load at a negative row (the first tile of a head starts there in the
 //                three-consumer causal forward): it must zero-fill those rows and still count the whole box's bytes.
 //                (A TMA store at a negative row fails with a CUDA error on the H200, so the forward
@@ -272,7 +273,8 @@ std::vector<torch::Tensor> transposed_a_probe(torch::Tensor x, torch::Tensor y, 
   auto acc = torch::empty({64, 64}, f32), out = torch::empty({64, 64}, f32);
   auto out_k_major = torch::empty({64, 64}, f32);
   auto tile = torch::empty_like(x);
-  transposed_a_probe_kernel<<<1, 128>>>(reinterpret_cast<const T*>(x.data_ptr()), reinterpret_cast<const T*>(y.data_ptr()),
+  transposed_a_probe_kernel<<<1, 128>>>(reinterpret_cast<const T*>(x.data_ptr()),
+                                        reinterpret_cast<const T*>(y.data_ptr()),
                                         reinterpret_cast<const T*>(z.data_ptr()), acc.data_ptr<float>(),
                                         out.data_ptr<float>(), reinterpret_cast<T*>(tile.data_ptr()),
                                         out_k_major.data_ptr<float>());

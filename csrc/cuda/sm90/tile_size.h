@@ -49,9 +49,9 @@ constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t 
 // consumers split the columns), block_m queries per step: 128 at D64, where dK and dV leave the registers room; at D128
 // 80 for the plain kernel without a mask (a step's fixed costs spread over 25% more queries; its dQ is computed
 // transposed, wgmma's M being the head dim) and 64 under a mask, window, softcap or packed sequences, whose steps need
-// the registers. A step's dQ goes to dq_accum as fp32 tiles (64 query rows x 64 columns, or all 80 rows x 64
-// columns; two a step, four at D256) through two dQ writers; ordered, a writer adds its tiles of a step in one turn (kBwdDqSemaphores per query
-// block: one per writer).
+// the registers. A step's dQ goes to dq_accum as fp32 tiles (64 query rows x 64 columns, or all 80 rows x 64 columns;
+// two a step, four at D256) through two dQ writers; ordered, a writer adds its tiles of a step in one turn
+// (kBwdDqSemaphores per query block: one per writer).
 constexpr int kBwdDqSemaphores = 2;
 
 struct BwdTileShape {
