@@ -750,7 +750,7 @@ cudaError_t append_to_kvcache(const KvCacheShape& ks, const at::Tensor& k, const
   a.seqlens = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
   if (ks.paged) {
     a.block_table = pages.data_ptr<int>();
-    a.block_table_stride = pages.size(1);
+    a.block_table_stride = pages.stride(0);
     a.page_size = static_cast<int>(ks.page_size);
     a.num_pages = static_cast<int>(ks.num_pages);
   }
@@ -787,7 +787,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();
-  const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
+  // The block table's rows at any stride (a column slice of a larger table is read in place), its entries contiguous.
+  at::Tensor pages;
+  if (ks.paged) {
+    const bool entries_contiguous = block_table->stride(1) == 1 || block_table->size(1) <= 1;
+    pages = entries_contiguous ? *block_table : block_table->contiguous();
+  }
   if (ks.len_new > 0 && ks.capacity > 0) {
     const cudaError_t err = append_to_kvcache(ks, *k, *v, k_cache, v_cache, lengths, pages, stream);
     TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
@@ -805,7 +810,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   p.len_new = static_cast<int>(ks.len_new);
   if (ks.paged) {
     p.block_table = pages.data_ptr<int>();
-    p.block_table_stride = pages.size(1);
+    p.block_table_stride = pages.stride(0);
     p.page_size = static_cast<int>(ks.page_size);
     p.page_of = DivMod::of(p.page_size);
     p.num_pages = static_cast<int>(ks.num_pages);

@@ -429,6 +429,29 @@ def test_cuda_paged_cache_in_token_major_layout():
 
 
 @pytest.mark.cuda
+def test_cuda_block_table_as_a_column_slice():
+    # A column slice of a wider block table (its rows at a stride) is read in place, by the append and the attention:
+    # the same bits and pages as with its contiguous copy.
+    lengths = [5, 300, CUDA_LMAX - 2]
+    k_pages, v_pages, block_table = cuda_pages(*cuda_caches(lengths), 64)
+    wide = torch.full((B, block_table.shape[1] + 5), -1, dtype=torch.int32, device="cuda")
+    wide[:, : block_table.shape[1]] = block_table
+    sliced = wide[:, : block_table.shape[1]]
+    assert not sliced.is_contiguous()
+    q = torch.randn(B, H, 2, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, HK, 2, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    runs = []
+    for table in (block_table, sliced):
+        pages = (k_pages.clone(), v_pages.clone())
+        runs.append((flashattn_ext.flash_attn_with_kvcache(q, *pages, k, v, seqlens, table, causal=True), pages))
+    (want, want_pages), (got, got_pages) = runs
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    for a, b in zip(got_pages, want_pages):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.cuda
 def test_cuda_bad_values_never_fault():
     # cache_seqlens and block_table values cannot be checked without a synchronisation: clamped, never a fault.
     k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
