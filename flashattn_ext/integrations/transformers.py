@@ -11,10 +11,14 @@ FlashAttention package (or hub kernel) to import, and refuses the model when the
 register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and the matching mask function to
 ``AttentionMaskInterface`` (FlashAttention's: no mask without padding, else the 2-D padding mask). The attention
 function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles:
-no mask (the dense op, bottom-right causal, which is what generation with a KV cache needs); padding masks (unpadded
-to packed sequences and padded back); packed batches (``cu_seq_lens_q`` / ``cu_seq_lens_k`` from
-``DataCollatorWithFlattening``, or ``position_ids`` that restart at 0); ``sliding_window``, ``softcap``, ``s_aux``
-(sinks), GQA, ``scaling`` and ``is_causal``. Dropout > 0 in training raises. transformers is imported lazily.
+no mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are
+cut to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
+back; a static cache's keys cut to the mask's width, as transformers' own FlashAttention path does); packed batches
+(``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or, for a batch of one row, ``position_ids``
+where a sequence starts wherever a position is not the one before plus 1: read on the host, one synchronisation per
+layer); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32 inputs run
+in the autocast dtype (else bf16) and the output comes back in the inputs' dtype. Dropout > 0 in training raises.
+transformers is imported lazily.
 
 Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims above 128
 only on Hopper; elsewhere a batch that needs their gradients goes through one dense call per sequence instead, which
@@ -28,7 +32,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops import flash_attn, flash_attn_varlen
+from ..ops import flash_attn, flash_attn_varlen, flash_attn_with_kvcache
 
 NAME = "fa_ext"
 
@@ -61,6 +65,17 @@ def _target_dtype(query: Tensor) -> Optional[torch.dtype]:
 
 def _cu_seqlens(lengths: Tensor) -> Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _packed_by_positions(position_ids: Tensor, length: int) -> Optional[Tensor]:
+    """cu_seqlens (int32) of one row of `length` tokens that packs several sequences, as its position ids tell them (a
+    sequence starts wherever a position is not the one before plus 1, as transformers' masks read them), or None for
+    one sequence. Reads the positions on the host."""
+    positions = position_ids.reshape(-1)
+    starts = (positions[1:] != positions[:-1] + 1).nonzero().view(-1) + 1
+    if starts.numel() == 0:
+        return None
+    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([length])]).to(torch.int32)
 
 
 def _packed_backward_takes(q: Tensor) -> bool:
@@ -108,9 +123,15 @@ def attention_forward(
             f"{NAME}: attention dropout ({dropout}) is not supported; set the model's attention_dropout to 0"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    target = _target_dtype(query)
+    dtype, target = query.dtype, _target_dtype(query)
     if target is not None:
         query, key, value = query.to(target), key.to(target), value.to(target)
+    out = _attention(query, key, value, attention_mask, causal, scaling, sliding_window, softcap, s_aux, **kwargs)
+    return out.to(dtype), None
+
+
+def _attention(query, key, value, attention_mask, causal, scaling, sliding_window, softcap, s_aux, **kwargs) -> Tensor:
+    """attention_forward's work on inputs of a dtype the device takes: (B, Sq, H, D)."""
     options = dict(
         causal=bool(causal),
         scale=scaling,
@@ -123,26 +144,36 @@ def attention_forward(
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
-    if cu_q is None and attention_mask is None and position_ids is not None and batch == 1 and len_q > 1:
-        # Packed by position ids that restart at 0 (only without a KV cache: len_q == len_k).
-        starts = (position_ids.view(-1) == 0).nonzero().view(-1)
-        if starts.numel() > 1 and len_q == len_k:
-            cu_q = cu_k = torch.cat([starts, starts.new_tensor([len_q])]).to(torch.int32)
+    if cu_q is None and attention_mask is None and position_ids is not None and batch == 1 and 1 < len_q == len_k:
+        cu_q = cu_k = _packed_by_positions(position_ids, len_q)  # packed by position ids (without a KV cache)
     if cu_q is not None:  # packed batch: (1, H, total, D)
         cu_k = cu_q if cu_k is None else cu_k
         out = _packed_call(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q.to(torch.int32),
             cu_k.to(torch.int32), kwargs.get("max_length_q"), kwargs.get("max_length_k"), **options,
         )
-        return out.unsqueeze(0), None
+        return out.unsqueeze(0)
 
-    if attention_mask is None:  # the dense op; with a KV cache the queries are the last rows (bottom-right)
-        return flash_attn(query, key, value, **options).transpose(1, 2), None
+    if attention_mask is None:
+        if len_k > len_q and position_ids is not None:
+            # A KV cache; a static one holds slots not written yet past the valid keys, whose count the last query's
+            # position tells (the dense op would see them). Read on the device, or on the host for a backward.
+            last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1]
+            valid = (last + 1).clamp(max=len_k).to(torch.int32).expand(batch).contiguous()
+            if not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+                return flash_attn_with_kvcache(query, key, value, cache_seqlens=valid, **options).transpose(1, 2)
+            len_k = int(valid.max())
+            key, value = key[:, :, :len_k], value[:, :, :len_k]
+        # the dense op; with a KV cache the queries are the last rows (bottom-right)
+        return flash_attn(query, key, value, **options).transpose(1, 2)
 
     # A 2-D padding mask (B, Sk) of the keys; the queries are the last Sq positions. Unpad, attend, pad back.
     if attention_mask.dim() != 2:
         raise ValueError(f"{NAME}: expected a 2-D padding mask (register() installs its mask function), got "
                          f"shape {tuple(attention_mask.shape)}")
+    if attention_mask.shape[1] < len_k:  # a static cache: the slots past the mask's width are not written yet
+        len_k = attention_mask.shape[1]
+        key, value = key[:, :, :len_k], value[:, :, :len_k]
     mask_k = attention_mask[:, -len_k:].bool()
     mask_q = mask_k[:, -len_q:]
     index_q = mask_q.reshape(-1).nonzero().view(-1)
@@ -153,4 +184,4 @@ def attention_forward(
     cu_q, cu_k = _cu_seqlens(mask_q.sum(1)), _cu_seqlens(mask_k.sum(1))
     packed = _packed_call(q, k, v, cu_q, cu_k, None, None, **options)
     out = packed.new_zeros(batch * len_q, heads, head_dim).index_copy(0, index_q, packed)
-    return out.view(batch, len_q, heads, head_dim), None
+    return out.view(batch, len_q, heads, head_dim)

@@ -131,6 +131,53 @@ def test_greedy_generation_matches_eager(name):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("name", [name for name in ("llama", "mistral", "gemma2") if name in CONFIGS])
+def test_static_cache_generation_matches_eager(name, padded):
+    # A static cache's keys run past the valid ones (slots not written yet): without padding only the positions tell
+    # how many are valid, with padding the mask is narrower than the keys.
+    model = model_pair(name)
+    ids, mask = padded_batch()
+    if not padded:
+        ids, mask = ids[:1], mask[:1]
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        model.set_attn_implementation(fa_hf.NAME)
+        got = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), atol=2e-5, rtol=1e-4)
+
+
+def test_packed_positions_need_not_start_at_zero():
+    # A row packs sequences wherever a position is not the one before plus 1 (as transformers' masks read it): the
+    # first sequence may continue an earlier one (positions 5 .. 10).
+    model = model_pair("llama")
+    ids = torch.randint(0, 128, (1, 13))
+    positions = torch.cat([torch.arange(5, 11), torch.arange(7)])[None]
+    with torch.no_grad():
+        ref = model(ids, position_ids=positions, use_cache=False).logits
+        model.set_attn_implementation(fa_hf.NAME)
+        got = model(ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_output_in_the_inputs_dtype(monkeypatch):
+    # Where the inputs are cast for the kernels (CUDA takes fp16 / bf16), the output comes back in their dtype for the
+    # model's next layer (here the cast is forced on the CPU).
+    monkeypatch.setattr(fa_hf, "_target_dtype", lambda query: torch.bfloat16)
+    model = model_pair("llama")
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(fa_hf.NAME)
+        got = model(ids, attention_mask=mask).logits
+    assert got.dtype == torch.float32
+    real = mask.bool()
+    assert (got[real] - ref[real]).abs().max() < 0.1
+
+
 def test_dropout_in_training_raises():
     config = transformers.LlamaConfig(**TINY, attention_dropout=0.1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=fa_hf.NAME).train()
