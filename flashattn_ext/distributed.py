@@ -188,13 +188,16 @@ class _RingAttention(torch.autograd.Function):
                 dv_acc[:, :, keys] += dv_part
                 if block_sinks is not None:
                     dsinks += dsinks_part
-            # Pass the shard on with its gradients; after the last step only the gradients go home (one more hop).
-            send = travelling if step + 1 < ring.world else [dk_acc, dv_acc]
-            received, pending = ring.start(send)
-            ring.finish(pending)
-            travelling = received if step + 1 < ring.world else None
-            if travelling is None:
-                dk, dv = received
+            # Pass the shard on with its gradients; after the last step only the gradients go home (one more hop, none
+            # where the ring is one rank).
+            if step + 1 < ring.world:
+                travelling, pending = ring.start(travelling)
+                ring.finish(pending)
+            elif ring.world > 1:
+                (dk, dv), pending = ring.start([dk_acc, dv_acc])
+                ring.finish(pending)
+            else:
+                dk, dv = dk_acc, dv_acc
         dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks, None, None
 
@@ -223,7 +226,7 @@ def ring_flash_attn(
 
     Differentiable in q, k, v and sinks: each rank gets the gradients of its own shard, and its share of the sinks'
     gradient (summed over the ranks as for any replicated parameter, e.g. by DDP). Returns this rank's output rows
-    (B, H, L_local, D) in q's dtype.
+    (B, H, L_local, D) in q's dtype (under autocast, q, k and v are first cast to its dtype, as by flash_attn).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"ring_flash_attn: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -234,4 +237,7 @@ def ring_flash_attn(
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if len(window_size) != 2 or min(window_size) < -1:
         raise ValueError(f"ring_flash_attn: window_size must be (left, right) with entries >= -1, got {window_size}")
+    if torch.is_autocast_enabled(q.device.type):  # as flash_attn: q, k, v in the autocast dtype (float64 left alone)
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (q, k, v))
     return _RingAttention.apply(q, k, v, causal, scale, tuple(window_size), softcap, sinks, group, layout)

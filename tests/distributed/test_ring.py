@@ -1,5 +1,5 @@
-"""Ring attention (flashattn_ext.distributed) on CPU with gloo: world 2 and 3 processes, contiguous and zigzag
-layouts, causal and not, GQA, softcap. Each rank's output and q / k / v gradients must match its rows of one
+"""Ring attention (flashattn_ext.distributed) on CPU with gloo: world 1, 2 and 3 processes, contiguous and zigzag
+layouts, causal and not, GQA, softcap, windows, sinks, autocast. Each rank's output and q / k / v gradients must match its rows of one
 process's flash_attn over the whole sequence (float64, on the same inputs)."""
 import os
 import tempfile
@@ -70,10 +70,40 @@ def run_rank(rank, world, init_file):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_ring_matches_one_process(world):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run_rank, args=(world, os.path.join(tmp, "init")), nprocs=world, join=True)
+
+
+def run_autocast_rank(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        length = 12 * world
+        # fp32 q and k (after a QK-norm) next to a bf16 v, as flash_attn takes them under autocast.
+        q, k = (torch.randn(1, 2, length, 8) for _ in range(2))
+        v = torch.randn(1, 2, length, 8).bfloat16()
+        dout = torch.randn(1, 2, length, 8).bfloat16()
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        local = [shard(t, "contiguous", rank, world).detach().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = flashattn_ext.flash_attn(*whole, causal=True)
+            out = ring_flash_attn(*local, causal=True)
+        assert out.dtype == ref.dtype == torch.bfloat16
+        ref_grads = torch.autograd.grad(ref, whole, dout)
+        grads = torch.autograd.grad(out, local, shard(dout, "contiguous", rank, world))
+        torch.testing.assert_close(out, shard(ref, "contiguous", rank, world), atol=2e-2, rtol=2e-2)
+        for g, r, t in zip(grads, ref_grads, local):
+            assert g.dtype == t.dtype  # each input's gradient in its own dtype
+            torch.testing.assert_close(g.float(), shard(r, "contiguous", rank, world).float(), atol=5e-2, rtol=5e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_under_autocast():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(run_autocast_rank, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
 
 
 def test_zigzag_roundtrip():

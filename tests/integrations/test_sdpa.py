@@ -82,6 +82,30 @@ def test_sdpa_grads(causal):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("packed", [False, True], ids=["sdpa", "varlen_attn"])
+def test_expanded_output_gradient(packed):
+    # out.sum().backward() hands the backward an expanded gradient (every stride 0), which our ops take only with
+    # contiguous rows: made contiguous first, as PyTorch's own flash backward does.
+    from torch.nn.attention.varlen import varlen_attn
+
+    if packed:
+        cu = torch.tensor([0, 100, 257], dtype=torch.int32, device="cuda")
+        q, k, v = leaves(*(torch.randn(257, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3)))
+        run = lambda: varlen_attn(q, k, v, cu, cu, 157, 157, window_size=(-1, 0))  # noqa: E731
+        op = "_flash_attention_backward"
+    else:
+        q, k, v = leaves(*make_qkv(2, 4, 4, 257, 257, 64, torch.bfloat16, "cuda"))
+        run = lambda: flash_sdpa(q, k, v, is_causal=True)  # noqa: E731
+        op = "_scaled_dot_product_flash_attention_backward"
+    want = torch.autograd.grad(run().float().sum(), (q, k, v))
+    with activated():
+        got = torch.autograd.grad(run().sum(), (q, k, v))
+        assert ours_ran(op) == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
 def test_sdpa_lengths_differ():
     q, k, v = make_qkv(1, 4, 4, 100, 260, 64, torch.float16, "cuda")
     with activated():
