@@ -3,9 +3,10 @@
 Each rank of a process group holds a shard of one long sequence (the same batch and heads on every rank): q
 (B, H, L_local, D), k and v (B, Hk, L_local, D). Key/value shards travel around the ring (rank r sends to r + 1 and
 receives from r - 1), each rank attends its queries to every shard as it passes with our op, and the partial results
-are merged in float32 through their lse. The backward sends the shards around again, each with the dK / dV it has
-gathered so far, and one last hop brings every rank the gradients of its own keys and values. The next shard's
-transfer is issued before the current one is computed (batch_isend_irecv), so communication overlaps the attention.
+are merged in float32 through their lse. The backward sends the shards around again, the dK / dV each has gathered
+(float32) one step behind it, and one last hop brings every rank the gradients of its own keys and values. Every
+transfer is issued a step before its data is needed (batch_isend_irecv), so communication overlaps the attention; only
+the backward's last hop does not.
 
 Layouts (``layout=``): "contiguous", rank r holds chunk r of W equal chunks of the sequence; "zigzag", rank r holds
 chunks r and 2W - 1 - r of 2W equal chunks (:func:`zigzag_shard`), which gives every rank the same causal work.
@@ -169,18 +170,24 @@ class _RingAttention(torch.autograd.Function):
         deterministic = torch.are_deterministic_algorithms_enabled()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=q.device) if sinks is not None else None
-        # The shard in hand and the dK / dV gathered for it so far travel together.
-        travelling = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                      torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        # The shards travel as in the forward, each sent on before the step that holds it computes. The dK / dV a
+        # shard has gathered follow one step behind: sent on once this rank has added its part, they reach the next
+        # rank while it computes its next step, which then adds its own part; after the last step they go home.
+        kv = [k, v]
+        arriving = None  # the dK / dV the previous rank gathered for the shard in hand, on their way
         for step in range(ring.world):
             source = (ring.rank - step) % ring.world
-            k_blk, v_blk, dk_acc, dv_acc = travelling
+            kv_pending = None
+            if step + 1 < ring.world:
+                incoming, kv_pending = ring.start(kv)
+            dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2], left,
                                                               right):
                 block_sinks = sinks if own_chunk else None
                 # With the merged out and lse, each block's backward is its share of the whole one.
                 dq_part, dk_part, dv_part, dsinks_part = torch.ops.flashattn.bwd(
-                    dout[:, :, rows], q[:, :, rows], k_blk[:, :, keys], v_blk[:, :, keys], out[:, :, rows],
+                    dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
                     lse[:, :, rows], False, scale, None, deterministic, window, softcap, block_sinks,
                 )
                 dq[:, :, rows] += dq_part
@@ -188,16 +195,20 @@ class _RingAttention(torch.autograd.Function):
                 dv_acc[:, :, keys] += dv_part
                 if block_sinks is not None:
                     dsinks += dsinks_part
-            # Pass the shard on with its gradients; after the last step only the gradients go home (one more hop, none
-            # where the ring is one rank).
-            if step + 1 < ring.world:
-                travelling, pending = ring.start(travelling)
-                ring.finish(pending)
-            elif ring.world > 1:
-                (dk, dv), pending = ring.start([dk_acc, dv_acc])
-                ring.finish(pending)
-            else:
-                dk, dv = dk_acc, dv_acc
+            if arriving is not None:  # the earlier ranks' parts, added after this rank's (a fixed order)
+                (dk_in, dv_in), acc_pending = arriving
+                ring.finish(acc_pending)
+                dk_acc += dk_in
+                dv_acc += dv_in
+            arriving = ring.start([dk_acc, dv_acc]) if ring.world > 1 else None
+            if kv_pending is not None:
+                ring.finish(kv_pending)
+                kv = incoming
+        if arriving is None:  # one rank: its own shard's gradients are in hand
+            dk, dv = dk_acc, dv_acc
+        else:  # the last hop brought this rank its own shard's
+            (dk, dv), acc_pending = arriving
+            ring.finish(acc_pending)
         dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks, None, None
 

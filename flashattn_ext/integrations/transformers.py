@@ -176,8 +176,8 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
         key, value = key[:, :, :len_k], value[:, :, :len_k]
     mask_k = attention_mask[:, -len_k:].bool()
     mask_q = mask_k[:, -len_q:]
-    index_q = mask_q.reshape(-1).nonzero().view(-1)
-    index_k = mask_k.reshape(-1).nonzero().view(-1)
+    index_k = mask_k.reshape(-1).nonzero().view(-1)  # one host synchronisation (two with a KV cache)
+    index_q = index_k if len_q == len_k else mask_q.reshape(-1).nonzero().view(-1)
     q = query.transpose(1, 2).reshape(batch * len_q, heads, head_dim).index_select(0, index_q)
     k = key.transpose(1, 2).reshape(batch * len_k, heads_kv, head_dim).index_select(0, index_k)
     v = value.transpose(1, 2).reshape(batch * len_k, heads_kv, head_dim).index_select(0, index_k)
