@@ -179,8 +179,9 @@ const auto& fwd_kvcache_op() {
 }
 
 // The KV-cache op is forward only: with grad mode on, an input that requires grad raises (its outputs would otherwise
-// carry requires_grad and a backward would silently leave the inputs without gradients). The caches it writes get
-// their version counters bumped, as for any in-place op.
+// carry requires_grad and a backward would silently leave the inputs without gradients). Caches it writes (k and v
+// given) get their version counters bumped, as for any in-place op; a call that only reads them leaves them alone (so
+// caches made under inference mode can be read outside it).
 FwdResult fwd_kvcache_autograd(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                                const std::optional<at::Tensor>& cache_seqlens,
@@ -197,8 +198,10 @@ FwdResult fwd_kvcache_autograd(const at::Tensor& q, at::Tensor& k_cache, at::Ten
     result = fwd_kvcache_op().call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_size,
                                    softcap, sinks, num_splits);
   }
-  torch::autograd::impl::bump_version(k_cache);
-  torch::autograd::impl::bump_version(v_cache);
+  if (k.has_value()) {
+    torch::autograd::impl::bump_version(k_cache);
+    torch::autograd::impl::bump_version(v_cache);
+  }
   return result;
 }
 

@@ -165,12 +165,21 @@ def test_gradients_are_refused():
     assert not out.requires_grad
 
 
-def test_the_caches_versions_move_with_each_call():
+def test_the_caches_versions_move_with_each_append():
     k_cache, v_cache = dense_cache()
     k, v = torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
     before = k_cache._version, v_cache._version
     fwd_kvcache(torch.randn(B, H, 1, D), k_cache, v_cache, k, v, torch.tensor([0, 1, 2], dtype=torch.int32))
     assert k_cache._version > before[0] and v_cache._version > before[1]
+
+
+def test_caches_made_under_inference_mode_are_read_outside_it():
+    with torch.inference_mode():
+        k_cache, v_cache = dense_cache()
+    q = torch.randn(B, H, 1, D)
+    with torch.no_grad():
+        out = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert torch.equal(out, flashattn_ext.flash_attn(q, k_cache.clone(), v_cache.clone()))
 
 
 def test_compile_fullgraph():
