@@ -17,7 +17,9 @@ measurement; benchmarks/lab/bench_method_probe.py). A backend that rejects a con
 path when its score matrix would exceed --naive-mem-gib.
 
 FLOPs are 4*B*H*Lq*Lk*D per forward, halved for causal (Lq == Lk here). Each row also reports the peak memory
-above the inputs (CUDA only) and the max abs difference between our output and SDPA's (flash backend, else math).
+above the inputs (CUDA only) and a correctness check: our output's (and in fwdbwd our gradients') max abs error
+against a reference path on upcast inputs (SDPA's efficient backend on the GPU, math on the CPU, FlexAttention with
+score modifications), within 3x that path's own error in the input dtype (diff_ok).
 
 Outputs, in --out (default benchmarks/out/): bench_sdpa_<device>_<mode>.csv, .json (rows and metadata) and .png
 (TFLOP/s against L, one panel per dtype, head dim and causal). The table and a summary are printed last.
@@ -71,8 +73,11 @@ SDPA_BACKENDS = {
     "math": SDPBackend.MATH,
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Max abs difference to SDPA above which a row is flagged; bf16 has an 8-bit mantissa, fp16 an 11-bit one.
-DIFF_TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01, torch.float32: 1e-3}
+# The correctness check, FlashAttention's rule as the tests apply it: against a reference path run on the inputs upcast
+# (float32 for fp16 / bf16, float64 for fp32), our error stays within ERROR_FACTOR times that path's own error in the
+# input dtype, plus a floor; the output in every mode, dq, dk and dv too in fwdbwd.
+ERROR_FACTOR = 3.0
+ERROR_FLOOR = {torch.bfloat16: 1e-3, torch.float16: 1e-4, torch.float32: 1e-5}
 
 # Defaults of the two variants; --quick replaces the grid entries with its own.
 GPU_DEFAULTS = dict(
@@ -383,7 +388,8 @@ class Measurement:
 class Row:
     config: Config
     results: Dict[str, Measurement] = field(default_factory=dict)
-    max_abs_diff: Optional[float] = None
+    max_abs_diff: Optional[float] = None  # our output's error against the check's reference
+    grad_abs_diff: Optional[float] = None  # the largest of our dq, dk and dv errors (fwdbwd)
     diff_ref: Optional[str] = None
     diff_ok: Optional[bool] = None
 
@@ -393,7 +399,8 @@ class Row:
         return getattr(result, f"{part}_tflops" if part else "tflops") if result else None
 
     def best_sdpa(self, backends: List[str], part: str = "") -> Optional[str]:
-        timed = [b for b in backends if self.tflops(b, part) is not None]
+        """The fastest of the SDPA backends in `backends` (never a peer such as flex or dense)."""
+        timed = [b for b in backends if b in SDPA_BACKENDS and self.tflops(b, part) is not None]
         return max(timed, key=lambda b: self.tflops(b, part)) if timed else None
 
     def ratio(self, impl: Optional[str], part: str = "") -> Optional[float]:
@@ -483,39 +490,53 @@ def measure(impls: List[str], q, k, v, config: Config, make_fn, timer, device: s
     return results
 
 
-def reference_output(q, k, v, causal: bool, math_budget_bytes: float) -> Tuple[Optional[torch.Tensor], str]:
-    """SDPA's output from the flash backend, else from math (when its fp32 scores fit the budget); FlexAttention's
-    with score modifications."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if MODS.active:
-            try:
-                return forward_callable("flex", q, k, v, causal)(), "flex"
-            except Exception:
-                return None, "-"
-        try:
-            return forward_callable("flash", q, k, v, causal)(), "flash"
-        except Exception:
-            pass
-        fp32_score_bytes = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4
-        if fp32_score_bytes > math_budget_bytes:
-            return None, "-"
-        try:
-            return forward_callable("math", q, k, v, causal)(), "math"
-        except Exception:
-            return None, "-"
+def results_of(impl: str, q, k, v, causal: bool, dout: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """impl's output for q, k, v and, given dout, its gradients of q, k and v. The SDPA backends get K / V repeated
+    for GQA (their gradients are summed back by autograd) rather than enable_gqa, which not all of them take."""
+    leaves = [t.detach().requires_grad_(dout is not None) for t in (q, k, v)]
+    q_in, k_in, v_in = leaves
+    if impl in SDPA_BACKENDS and k.shape[1] != q.shape[1]:
+        k_in, v_in = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k_in, v_in))
+    with torch.set_grad_enabled(dout is not None):
+        out = forward_callable(impl, q_in, k_in, v_in, causal)()
+    if dout is None:
+        return [out]
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout.to(out.dtype))]
 
 
-def check_correctness(row: Row, q, k, v, math_budget_bytes: float) -> None:
-    """Fill the row's max abs difference between our output and SDPA's, and whether it is within tolerance."""
+def check_correctness(row: Row, q, k, v, with_grads: bool, math_budget_bytes: float) -> None:
+    """Fill the row's errors against the reference path on upcast inputs, and whether each is within ERROR_FACTOR
+    times that path's own error in the input dtype plus the floor (diff_ok). The reference is FlexAttention with score
+    modifications, else SDPA's efficient backend on the GPU (never a flash provider's), else math where its float32
+    scores fit math_budget_bytes."""
+    causal = row.config.causal
+    dout = torch.randn_like(q) if with_grads else None
     try:
-        ours = forward_callable("ours", q, k, v, row.config.causal)()
+        ours = results_of("ours", q, k, v, causal, dout)
     except Exception:
         return
-    ref, row.diff_ref = reference_output(q, k, v, row.config.causal, math_budget_bytes)
-    if ref is not None:
-        row.max_abs_diff = (ours.float() - ref.float()).abs().max().item()
-        row.diff_ok = row.max_abs_diff <= DIFF_TOLERANCE[q.dtype]
+    upcast = torch.float64 if q.dtype == torch.float32 else torch.float32
+    candidates = ["flex"] if MODS.active else ["efficient"] if q.is_cuda else []
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * 4 <= math_budget_bytes:
+        candidates.append("math")
+    row.diff_ref = "-"
+    for impl in candidates:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                truth = results_of(impl, *(t.to(upcast) for t in (q, k, v)), causal,
+                                   dout.to(upcast) if with_grads else None)
+                low = results_of(impl, q, k, v, causal, dout)
+        except Exception:
+            release_cuda_memory(q.device.type)
+            continue
+        errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
+        baselines = [(theirs.float() - want).abs().max().item() for theirs, want in zip(low, truth)]
+        row.diff_ref = f"{impl} {str(upcast).replace('torch.', '')}"
+        row.max_abs_diff = errors[0]
+        row.grad_abs_diff = max(errors[1:]) if with_grads else None
+        row.diff_ok = all(e <= ERROR_FACTOR * b + ERROR_FLOOR[q.dtype] for e, b in zip(errors, baselines))
+        return
 
 
 def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
@@ -525,7 +546,11 @@ def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
     q, k, v = (torch.randn(s, **options) for s in (shape, kv_shape, kv_shape))
     budget = args.naive_mem_gib * 2**30
     row = Row(config)
-    check_correctness(row, q, k, v, budget)
+    if "flex" in impls or MODS.active:
+        # FlexAttention compiles per configuration: one dynamo cache per row (its recompile limit, shared across
+        # rows, would otherwise send later rows down flex's unfused path).
+        torch._dynamo.reset()
+    check_correctness(row, q, k, v, args.mode == "fwdbwd", budget)
     timed = list(impls)
     if "naive" in impls and config.score_bytes(q.element_size()) > budget:
         gib = config.score_bytes(q.element_size()) / 2**30
@@ -594,7 +619,7 @@ def row_record(row: Row, impls: List[str], backends: List[str], with_bwd: bool =
     c = row.config
     best = row.best_sdpa(backends)
     record = dict(dtype=c.dtype, head_dim=c.head_dim, causal=c.causal, seqlen=c.seqlen, batch=c.batch,
-                  heads=c.heads, heads_kv=c.kv_heads, gflop=round(c.forward_flops() / 1e9, 3))
+                  heads=c.heads, heads_kv=c.kv_heads, fwd_gflop=round(c.forward_flops() / 1e9, 3))
     for impl in impls:
         result = row.results[impl]
         record[f"{impl}_ms"] = significant(result.ms)
@@ -614,6 +639,8 @@ def row_record(row: Row, impls: List[str], backends: List[str], with_bwd: bool =
         if peer in backends:
             record[f"ours_over_{peer}"] = significant(row.ratio(peer), 5)
     record.update(max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok)
+    if with_bwd:
+        record["grad_abs_diff"] = significant(row.grad_abs_diff, 3)
     return record
 
 
@@ -928,6 +955,9 @@ def main(argv=None) -> None:
     import_flashattn_ext()
     if args.flash_provider:
         torch.nn.attention.activate_flash_attention_impl(args.flash_provider)
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        # FlexAttention past dynamo's recompile limit falls back to an unfused path: an error ('-'), not a timing.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     impls = ["ours", *backends] + ([] if MODS.active else ["naive"])
     causals = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     configs = build_grid(dtypes, int_list(args.head_dims), int_list(args.lengths), causals, args.tokens,

@@ -13,7 +13,9 @@ do_bench median per round, the median of the rounds kept):
   loop        our dense op once per sequence (what a user without varlen writes)
   dense       our dense op on B = tokens // mean length sequences of the mean length (the work without the packing)
 FLOPs are 4 * H * D * sum(Lq_b * Lk_b) per forward, halved for causal; fwdbwd counts 3.5x that. A CSV row per
-implementation goes to --out, and a bar chart of the TFLOP/s (PNG, with matplotlib; --no-plot skips it).
+implementation goes to --out, and a bar chart of the TFLOP/s (PNG, with matplotlib; --no-plot skips it). Before the
+timing, our output (and in fwdbwd our gradients) is checked against SDPA's efficient backend run sequence by sequence
+on float32 inputs, within 3x that path's own error in the input dtype (bench_sdpa.py's rule; ours' CSV row).
 --deterministic runs everything under torch.use_deterministic_algorithms(True) (the files' names end in
 _deterministic; an implementation without a deterministic backward shows '-').
 `bench_sdpa.py --varlen` runs this script with the arguments that follow.
@@ -31,7 +33,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdpa import import_flashattn_ext, make_timer, round_order  # noqa: E402
+from bench_sdpa import (  # noqa: E402
+    ERROR_FACTOR,
+    ERROR_FLOOR,
+    import_flashattn_ext,
+    make_timer,
+    results_of,
+    round_order,
+)
 
 IMPLS = ["ours", "varlen_attn", "loop", "dense"]
 
@@ -81,6 +90,35 @@ def make_callable(impl, fa, q, k, v, cu, lengths, causal, mode):
         grad = torch.ones_like(out) if grad is None or grad.shape != out.shape else grad
         out.backward(grad)
     return forward_backward
+
+
+def check_correctness(fa, q, k, v, cu, lengths, causal, with_grads):
+    """Our packed call against SDPA's efficient backend sequence by sequence on float32 inputs: (output error,
+    largest gradient error or None, within ERROR_FACTOR x the same path's error in the input dtype + floor), or None
+    where the reference refuses the configuration."""
+    dout = torch.randn_like(q) if with_grads else None
+    leaves = [t.detach().requires_grad_(with_grads) for t in (q, k, v)]
+    with torch.set_grad_enabled(with_grads):
+        out = fa.flash_attn_varlen(*leaves, cu, cu, max(lengths), max(lengths), causal=causal)
+    ours = [out.detach(), *(torch.autograd.grad(out, leaves, dout) if with_grads else ())]
+    bounds = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+
+    def per_sequence(dtype):
+        parts = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            seq = [t.detach()[a:b].transpose(0, 1).unsqueeze(0).to(dtype) for t in (q, k, v)]
+            grad = dout[a:b].transpose(0, 1).unsqueeze(0).to(dtype) if with_grads else None
+            parts.append(results_of("efficient", *seq, causal, grad))
+        return [torch.cat([p[i][0].transpose(0, 1) for p in parts]) for i in range(len(parts[0]))]
+
+    try:
+        truth, low = per_sequence(torch.float32), per_sequence(q.dtype)
+    except Exception:
+        return None
+    errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
+    baselines = [(theirs.float() - want).abs().max().item() for theirs, want in zip(low, truth)]
+    ok = all(e <= ERROR_FACTOR * b + ERROR_FLOOR[q.dtype] for e, b in zip(errors, baselines))
+    return errors[0], (max(errors[1:]) if with_grads else None), ok
 
 
 def flops(lengths, heads, head_dim, causal, mode, impl):
@@ -150,6 +188,7 @@ def main(argv=None):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     timer, _ = make_timer("cuda")
     impls = args.impls.split(",")
+    check = check_correctness(fa, q, k, v, cu, lengths, causal, grad) if "ours" in impls else None
     fns, errors = {}, {}
     for impl in impls:
         try:
@@ -175,14 +214,22 @@ def main(argv=None):
         tflops = flops(lengths, args.heads, args.head_dim, causal, args.mode, impl) / ms / 1e9
         rows.append(dict(impl=impl, head_dim=args.head_dim, heads=args.heads, heads_kv=heads_kv, causal=causal,
                          deterministic=args.deterministic, ms=round(ms, 4), tflops=round(tflops, 1)))
+        if impl == "ours" and check is not None:
+            rows[-1].update(max_abs_diff=float(f"{check[0]:.3g}"), diff_ok=check[2],
+                            grad_abs_diff=float(f"{check[1]:.3g}") if check[1] is not None else None)
         print(f"  {impl:12s} {ms:8.3f} ms  {tflops:6.1f} TFLOP/s")
+    if check is not None:
+        grads = f", gradients {check[1]:.1e}" if check[1] is not None else ""
+        print(f"  ours against float32 SDPA (efficient): output {check[0]:.1e}{grads}, "
+              f"{'within' if check[2] else 'OUTSIDE'} 3x its own error in {args.dtype}")
     if "ours" in times and "varlen_attn" in times:
         ratio = statistics.median(times["varlen_attn"]) / statistics.median(times["ours"])
         print(f"  ours / varlen_attn: {ratio:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench_varlen_{args.mode}_d{args.head_dim}{'_deterministic' if args.deterministic else ''}.csv"
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["impl", "ms", "tflops"])
+        fields = list(dict.fromkeys(key for row in rows for key in row)) or ["impl", "ms", "tflops"]
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     if not args.no_plot and rows:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sdpa.py"
 
@@ -127,3 +128,38 @@ def test_varlen_lengths_and_plot(tmp_path):
     rows = [dict(impl="ours", ms=1.0, tflops=300.0), dict(impl="varlen_attn", ms=1.2, tflops=250.0)]
     bench_varlen.write_plot(tmp_path / "varlen.png", rows, "title")
     assert (tmp_path / "varlen.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("bug", ["none", "scale", "gradient"])
+def test_the_correctness_check_can_fail(bench, monkeypatch, bug):
+    # The rule (3x the reference path's own error in the input dtype) catches a 5% scale error in the output and, in
+    # fwdbwd, a 5% error in the gradients alone.
+    import flashattn_ext
+
+    class ScaledGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 1.05
+
+    real = flashattn_ext.flash_attn
+
+    def planted(q, k, v, **kwargs):
+        if bug == "scale":
+            kwargs["scale"] = 1.05 * q.shape[-1] ** -0.5
+        out = real(q, k, v, **kwargs)
+        return ScaledGradient.apply(out) if bug == "gradient" else out
+
+    monkeypatch.setattr(bench, "flashattn_ext", flashattn_ext, raising=False)
+    monkeypatch.setattr(flashattn_ext, "flash_attn", planted)
+    config = bench.Config("fp32", 32, True, 96, 2, 4)
+    q, k, v = (torch.randn(2, 4, 96, 32) for _ in range(3))
+    for with_grads in (False, True):
+        row = bench.Row(config)
+        bench.check_correctness(row, q, k, v, with_grads, 2**30)
+        assert row.diff_ref == "math float64"
+        caught = bug == "scale" or (bug == "gradient" and with_grads)
+        assert row.diff_ok is (not caught), (bug, with_grads, row.max_abs_diff, row.grad_abs_diff)
