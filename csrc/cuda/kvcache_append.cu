@@ -1,7 +1,7 @@
 // The KV cache's append in one launch: each new row of keys and values goes to its cache position (params.h,
 // KvAppendParams), found on the device from cache_seqlens and the block table, so that nothing is read back to the host
-// and a captured graph replays with new lengths. Out-of-range lengths or pages are clamped into the cache: they
-// overwrite wrong rows, never memory outside it.
+// and a captured graph replays with new lengths. Rows whose positions fall outside the cache (out-of-range lengths) are
+// not written; out-of-range pages are clamped into it: wrong rows, never memory outside the cache.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -24,7 +24,10 @@ __device__ void copy_rows(const KvAppendParams& p, int lanes) {
   const int64_t batch = row / p.len_new / p.heads_kv;
 
   const int64_t start = p.seqlens != nullptr ? __ldg(p.seqlens + batch) : p.capacity - p.len_new;
-  const int64_t pos = min(max(start + t, int64_t{0}), static_cast<int64_t>(p.capacity) - 1);
+  const int64_t pos = start + t;
+  // A position outside the cache (lengths that break the rules) is not written: clamped, several rows would land on
+  // one in no fixed order.
+  if (pos < 0 || pos >= p.capacity) return;
   int64_t k_dst = head * p.kc_head_stride, v_dst = head * p.vc_head_stride;
   if (p.block_table != nullptr) {
     const int page = min(max(__ldg(p.block_table + batch * p.block_table_stride + pos / p.page_size), 0),

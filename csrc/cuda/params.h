@@ -112,7 +112,7 @@ __device__ inline int kv_cache_length(const FwdParams& p, int batch) {
 #endif
 
 // The KV cache's append (kvcache_append.cu): row t of entry b's new keys and values (batch, heads_kv, len_new,
-// head_dim) to cache position seqlens[b] + t (null seqlens: capacity - len_new), clamped into [0, capacity), in a
+// head_dim) to cache position seqlens[b] + t (null seqlens: capacity - len_new; none outside [0, capacity)), in a
 // dense cache or, with a block table, in its page (the caches' batch strides are then the page strides). chunk: the
 // elements each copy moves (8: every address and stride a multiple of 16 bytes; else 1).
 struct KvAppendParams {

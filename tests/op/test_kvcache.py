@@ -461,6 +461,33 @@ def test_cuda_block_table_as_a_column_slice():
 
 
 @pytest.mark.cuda
+def test_cuda_appends_past_the_cache_are_dropped():
+    # Lengths that break the rules: rows whose positions fall past the cache are not written (clamped, three rows would
+    # land on the last one in no fixed order); those inside are.
+    k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
+    k, v = (torch.randn(B, HK, 4, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    seqlens = torch.full((B,), CUDA_LMAX - 2, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    want_k = k_cache.clone()
+    want_k[:, :, -2:] = k[:, :, :2]
+    flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
+    assert torch.equal(k_cache, want_k)
+
+
+@pytest.mark.cuda
+def test_cuda_more_batch_entries_than_a_grid_dimension_holds():
+    # 70000 entries: past the decode grid's 65535 along z the forward kernels take the call (a 1-D grid).
+    batch = 70000
+    q = torch.randn(batch, 4, 1, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(batch, 2, 32, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    for out, lse in (flashattn_ext.flash_attn_with_lse(q, k, v),
+                     flashattn_ext.flash_attn_with_kvcache(q, k, v, return_lse=True)):
+        for b in (0, batch // 2, batch - 1):
+            entry = slice(b, b + 1)
+            assert_attention_close(out[entry], lse[entry], q[entry], k[entry], v[entry])
+
+
+@pytest.mark.cuda
 def test_cuda_bad_values_never_fault():
     # cache_seqlens and block_table values cannot be checked without a synchronisation: clamped, never a fault.
     k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
