@@ -134,7 +134,7 @@ template <typename acc_t>
 struct FwdScratch {
   explicit FwdScratch(int64_t d)
       : q(kBlockM * d), k_t(d * kBlockN), v(kBlockN * d), p(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM),
-        l(kBlockM) {}
+        l(kBlockM), sees_keys(kBlockM) {}
   std::vector<acc_t> q;    // (kBlockM, D) query rows, pre-multiplied by the scale
   std::vector<acc_t> k_t;  // (D, kBlockN) keys, transposed so that Q K^T has an element-wise inner loop
   std::vector<acc_t> v;    // (kBlockN, D) values
@@ -142,16 +142,25 @@ struct FwdScratch {
   std::vector<acc_t> acc;  // (kBlockM, D) unnormalised output rows
   std::vector<acc_t> m;    // running row max of the scores seen so far (-inf before any visible key)
   std::vector<acc_t> l;    // running row sum of exp(score - m)
+  std::vector<char> sees_keys;  // the row has visible keys (whatever their scores)
 };
 
 // One online-softmax step for one query row over `visible` keys of the current block (visible >= 1):
 // the row max grows to m_new, the old sum and accumulator are rescaled by exp(m_old - m_new), and the new
 // probabilities (written over the scores) are added. With a finite score visible m_new is finite, so the first visible
-// block gives exp(-inf - m_new) = 0 for the empty history; non-finite scores make l NaN (see the epilogue).
+// block gives exp(-inf - m_new) = 0 for the empty history; NaN or +inf scores make l NaN (see the epilogue). While every
+// score so far is -inf they weigh 0 and the row stays without history (exp(-inf - -inf) would be NaN).
 template <typename acc_t>
 void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, acc_t& l, int64_t visible,
                         int64_t d) {
   const acc_t m_new = std::max(m, *std::max_element(s_row, s_row + visible));
+  if (m_new == -std::numeric_limits<acc_t>::infinity()) {
+    // std::max lets a NaN through as -inf when it is not first: a NaN score still makes the row NaN.
+    if (std::any_of(s_row, s_row + visible, [](acc_t x) { return std::isnan(x); })) {
+      l = std::numeric_limits<acc_t>::quiet_NaN();
+    }
+    return;
+  }
   const acc_t rescale = std::exp(m - m_new);
   acc_t row_sum = 0;
   for (int64_t c = 0; c < visible; ++c) {
@@ -186,6 +195,7 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
   std::fill(tmp.acc.begin(), tmp.acc.begin() + rows * d, acc_t(0));
   std::fill(tmp.m.begin(), tmp.m.end(), -std::numeric_limits<acc_t>::infinity());
   std::fill(tmp.l.begin(), tmp.l.end(), acc_t(0));
+  for (int64_t r = 0; r < rows; ++r) tmp.sees_keys[r] = band.key_begin(q_begin + r) < band.key_end(q_begin + r);
 
   // The block's rows see keys [first row's begin, last row's end); key blocks outside are never loaded.
   const int64_t block_key_begin = band.key_begin(q_begin);
@@ -218,13 +228,13 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
     }
   }
 
-  // Normalise. Only a row that saw no key (and has no sink) has l == 0 (a visible key adds exp(0) = 1 or a NaN): it
-  // returns zeros and lse = -inf. Every other row divides, so a NaN score, a +inf one (inf - inf) or only -inf ones
-  // (NaN from exp(-inf - -inf)) give NaN out and NaN lse, as softmax does.
+  // Normalise. A row that saw no key (and has no sink) has l == 0: it returns zeros and lse = -inf. A NaN score or a
+  // +inf one (inf - inf) make l NaN, and a row whose visible scores are all -inf (no sink) gets l NaN here: NaN out and
+  // lse, as softmax gives.
   const auto out_mat = head_slice<scalar_t>(out, b, h);
   float* lse_row = lse.data_ptr<float>() + b * lse.stride(0) + h * lse.stride(1);
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t l = tmp.l[r];
+    const acc_t l = tmp.l[r] == 0 && tmp.sees_keys[r] ? std::numeric_limits<acc_t>::quiet_NaN() : tmp.l[r];
     const acc_t inv_l = l != 0 ? acc_t(1) / l : acc_t(0);
     scalar_t* dst = out_mat.row(q_begin + r);
     for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(tmp.acc[r * d + x] * inv_l);
@@ -331,16 +341,16 @@ RowStats<at::opmath_type<scalar_t>> row_stats(const at::Tensor& dout, const at::
     at::parallel_for(0, s.heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t h = begin; h < end; ++h) {
         const acc_t sink_h = static_cast<acc_t>(sink.data_ptr<float>()[h]);
-        acc_t sum = 0;
+        double sum = 0;  // over B * Lq rows: in double, so that the error does not grow with the rows
         for (int64_t b = 0; b < s.batch; ++b) {
           const acc_t* lse_bh = stats.lse_of(b, h);
           const acc_t* delta_bh = stats.delta_of(b, h);
           for (int64_t i = 0; i < s.len_q; ++i) {
             if (lse_bh[i] == -std::numeric_limits<acc_t>::infinity()) continue;
-            sum += std::exp(sink_h - lse_bh[i]) * delta_bh[i];
+            sum += static_cast<double>(std::exp(sink_h - lse_bh[i]) * delta_bh[i]);
           }
         }
-        stats.dsinks[h] = -sum;
+        stats.dsinks[h] = static_cast<acc_t>(-sum);
       }
     });
   }

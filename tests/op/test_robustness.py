@@ -139,6 +139,24 @@ def test_infinite_scores(device, dtype, head_dim):
     assert_attention_close(out[:, 1:], lse[:, 1:], q[:, 1:], k[:, 1:, keep], v[:, 1:, keep])
 
 
+def test_leading_key_blocks_of_minus_inf_scores_weigh_nothing(device, dtype):
+    # Keys 0 .. 199 score -inf in every row (whole first key blocks of every kernel): they weigh 0 and the rows attend
+    # over the rest, not NaN (an online softmax whose history is -inf must not form exp(-inf - -inf)). With every key at
+    # -inf a row is NaN, as softmax gives, unless a sink takes the whole weight: out 0, lse = the sink.
+    len_q, len_k = 70, 400
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, 64, dtype, device)
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[:, :, :200, 0] = -INF
+    out, lse = fwd(q, k, v)
+    assert_attention_close(out, lse, q, k[:, :, 200:], v[:, :, 200:])
+    k[:, :, 200:, 0] = -INF
+    out, lse = fwd(q, k, v)
+    assert out.isnan().all() and lse.isnan().all()
+    sinks = torch.tensor([0.5, -1.0], device=device)
+    out, lse = fwd(q, k, v, sinks=sinks)
+    assert (out == 0).all() and torch.equal(lse, sinks[None, :, None].expand_as(lse))
+
+
 # ---- scale ----------------------------------------------------------------------------------------------------------
 
 
