@@ -113,8 +113,11 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   const int query = static_cast<int>(row % p.len_q);
   const int head = static_cast<int>(row / p.len_q % p.heads);
   const int64_t batch = row / p.len_q / p.heads;
+  const int len_k = p.seqlens_k != nullptr ? kv_cache_length(p, static_cast<int>(batch)) : p.len_k;
+  const bool sees_keys = row_sees_band(query, len_k - p.len_q, p.window_left, p.window_right, len_k);
   float lse;
-  const float scale = fold_finish(fold, p.options && p.sinks != nullptr ? p.sinks[head] : -CUDART_INF_F, lse);
+  const float scale =
+      fold_finish(fold, p.options && p.sinks != nullptr ? p.sinks[head] : -CUDART_INF_F, sees_keys, lse);
   if (4 * chunk < p.head_dim) {
     T* const out = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride +
                    static_cast<int64_t>(query) * p.o_row_stride + 4 * chunk;

@@ -82,8 +82,9 @@ __device__ __forceinline__ float4 fold_add(float4 acc, float alpha, float4 part,
 }
 
 // The folded row's end: the sink (natural-log logit; -inf or none: no sink) joins the denominator. Returns the factor
-// of the accumulator (0 for a row without keys or sink) and sets lse (-inf without keys or sink, NaN for a NaN row).
-__device__ __forceinline__ float fold_finish(SplitFold f, float sink, float& lse) {
+// of the accumulator and sets lse: 0 and -inf for a row without keys or sink, NaN for a NaN row and for a row that
+// sees keys (sees_keys: the band's geometry, row_sees_band) whose scores were all -inf (every part empty), as softmax.
+__device__ __forceinline__ float fold_finish(SplitFold f, float sink, bool sees_keys, float& lse) {
   constexpr float kLog2e = 1.4426950408889634f;
   float keep = 1.f;
   if (sink != -CUDART_INF_F) {
@@ -96,8 +97,9 @@ __device__ __forceinline__ float fold_finish(SplitFold f, float sink, float& lse
     lse = f.m + __logf(f.sum);
     return keep / f.sum;
   }
-  lse = f.sum == 0.f ? -CUDART_INF_F : CUDART_NAN_F;
-  return f.sum == 0.f ? 0.f : CUDART_NAN_F;
+  const bool empty = f.sum == 0.f && !sees_keys;
+  lse = empty ? -CUDART_INF_F : CUDART_NAN_F;
+  return empty ? 0.f : CUDART_NAN_F;
 }
 
 }  // namespace flashattn

@@ -109,6 +109,25 @@ def test_nan_inputs_reach_their_rows_only():
     assert torch.isfinite(out[finite]).all()
 
 
+@pytest.mark.parametrize("num_splits", [1, 4, 0], ids=["one", "four", "auto"])
+def test_rows_whose_scores_are_all_minus_inf(num_splits):
+    # Entry 0: every key scores -inf, so each split's part is empty and only the fold can tell the row sees keys: NaN
+    # out and lse, as softmax gives, whatever the split count; with a sink, out 0 and lse = the sink. Entry 1: the
+    # first 600 keys only, which weigh 0.
+    q, k, v = make_qkv(2, 8, 2, 1, 1000, 64, torch.bfloat16, "cuda")
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[0, :, :, 0] = float("-inf")
+    k[1, :, :600, 0] = float("-inf")
+    for sinks in (None, torch.linspace(-1.0, 1.0, 8, device="cuda")):
+        out, lse = flashattn_ext.flash_attn_with_kvcache(q, k, v, num_splits=num_splits, sinks=sinks,
+                                                         return_lse=True)
+        if sinks is None:
+            assert out[0].isnan().all() and lse[0].isnan().all()
+        else:
+            assert (out[0] == 0).all() and torch.equal(lse[0], sinks[:, None])
+        assert_attention_close(out[1:], lse[1:], q[1:], k[1:, :, 600:], v[1:, :, 600:], sinks=sinks)
+
+
 def same_bits(a, b):
     """Bit for bit equal (NaN included)."""
     view = torch.int32 if a.dtype == torch.float32 else torch.int16

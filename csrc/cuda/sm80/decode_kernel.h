@@ -426,7 +426,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     float o[kCols], lse;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) o[c] = fold_o[c];
-    const float scale = fold_finish(fold, sink ? p.sinks[head] : -CUDART_INF_F, lse);
+    const float scale = fold_finish(fold, sink ? p.sinks[head] : -CUDART_INF_F,
+                                    row_sees_band(query, shift, left, right, len_k), lse);
     store_row(o, scale, lse);
     return;
   }
