@@ -179,9 +179,7 @@ const auto& fwd_kvcache_op() {
 }
 
 // The KV-cache op is forward only: with grad mode on, an input that requires grad raises (its outputs would otherwise
-// carry requires_grad and a backward would silently leave the inputs without gradients). Caches it writes (k and v
-// given) get their version counters bumped, as for any in-place op; a call that only reads them leaves them alone (so
-// caches made under inference mode can be read outside it).
+// carry requires_grad and a backward would silently leave the inputs without gradients).
 FwdResult fwd_kvcache_autograd(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                                const std::optional<at::Tensor>& cache_seqlens,
@@ -192,9 +190,23 @@ FwdResult fwd_kvcache_autograd(const at::Tensor& q, at::Tensor& k_cache, at::Ten
                                                        v.value_or(at::Tensor()), sinks.value_or(at::Tensor())),
               "flashattn.fwd_kvcache is forward only: call it under torch.no_grad() or on tensors that do not "
               "require grad");
+  at::AutoDispatchBelowAutograd below_autograd;  // on to the version counters (below)
+  return fwd_kvcache_op().call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_size,
+                               softcap, sinks, num_splits);
+}
+
+// Caches the op writes (k and v given) get their version counters bumped, as an in-place op's, under inference mode
+// too (which skips the Autograd kernel); a call that only reads them leaves them alone, so that caches made under
+// inference mode can be read outside it.
+FwdResult fwd_kvcache_versions(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                               const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                               const std::optional<at::Tensor>& cache_seqlens,
+                               const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale,
+                               at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks,
+                               int64_t num_splits) {
   FwdResult result;
   {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::AutoDispatchBelowADInplaceOrView below;
     result = fwd_kvcache_op().call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_size,
                                    softcap, sinks, num_splits);
   }
@@ -257,4 +269,8 @@ TORCH_LIBRARY_IMPL(flashattn, Autograd, m) {
   m.impl("fwd_varlen", &flashattn::fwd_varlen_autograd);
   m.impl("bwd_varlen", &flashattn::bwd_varlen_autograd);
   m.impl("fwd_kvcache", &flashattn::fwd_kvcache_autograd);
+}
+
+TORCH_LIBRARY_IMPL(flashattn, ADInplaceOrView, m) {
+  m.impl("fwd_kvcache", &flashattn::fwd_kvcache_versions);
 }

@@ -171,8 +171,9 @@ def flash_attn_with_kvcache(
         return_lse: also return lse (float32, (B, H, Lq)).
 
     On CUDA the lengths and the block table are read on the device only (no host synchronisation; a captured CUDA graph
-    replays with new lengths), so their values are not checked there: out-of-range ones are clamped into the cache
-    (wrong rows, never an access outside it); the CPU checks them. Returns out (B, H, Lq, D), or (out, lse).
+    replays with new lengths), so their values are not checked there: out-of-range ones give wrong rows (new rows
+    past the cache are not written; pages are clamped into it), never an access outside the tensors; the CPU checks
+    them. Returns out (B, H, Lq, D), or (out, lse).
     """
     out, lse = torch.ops.flashattn.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, list(window_size), softcap, sinks,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashattn_ext  # noqa: F401  (registers torch.ops.flashattn)
+from reference import poison_free_cuda_memory
 
 DTYPES = {
     "cpu": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
@@ -84,14 +85,10 @@ def seed(request):
 
 @pytest.fixture(autouse=True)
 def poisoned_cuda_memory(request):
-    """A CUDA test starts with the caching allocator's free memory all 0xFF bytes (NaN in fp16, bf16 and fp32): its
-    cached blocks go back to the driver, then 32 MiB of the small-block pool (allocations up to 1 MiB) and a 512 MiB
-    block are filled and freed. An output or workspace a kernel leaves unwritten then reads NaN and fails the test."""
+    """A CUDA test starts with the caching allocator's free memory all NaN bytes (reference.poison_free_cuda_memory;
+    isolated.py's processes likewise): an output or workspace a kernel leaves unwritten reads NaN and fails the test."""
     if request.node.get_closest_marker("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        blocks = [torch.full((2**20,), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
-        blocks.append(torch.full((2**29,), 255, dtype=torch.uint8, device="cuda"))
-        del blocks
+        poison_free_cuda_memory()
     yield
 
 

@@ -24,6 +24,8 @@ def run_isolated(env, module, function, *args, timeout=600):
             "import sys, torch\n"
             f"sys.path[:0] = [{str(TESTS)!r}]\n"
             f"import {module} as m\n"
+            "from reference import poison_free_cuda_memory\n"
+            "if torch.cuda.is_available(): poison_free_cuda_memory()\n"
             f"torch.save(m.{function}(*torch.load({str(inputs)!r})), {str(outputs)!r})\n"
         )
         paths = [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]

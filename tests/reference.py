@@ -372,12 +372,23 @@ def steer_scores(q, k, profile, scale):
     return q, k
 
 
+def poison_free_cuda_memory() -> None:
+    """The caching allocator's cached blocks back to the driver, then 32 MiB of its small-block pool (allocations up to
+    1 MiB) and a 512 MiB block filled with 0xFF bytes (NaN in fp16, bf16 and fp32) and freed: what a CUDA test allocates
+    next starts as NaN, so an output or workspace a kernel leaves unwritten shows."""
+    torch.cuda.empty_cache()
+    blocks = [torch.full((2**20,), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
+    blocks.append(torch.full((2**29,), 255, dtype=torch.uint8, device="cuda"))
+    del blocks
+
+
 def free_nan_blocks(numel: int, count: int = 8) -> None:
     """Leaves `count` freed float32 blocks of `numel` elements, NaN-filled, in the CUDA caching allocator, so that the
-    next allocations of that size (a kernel's workspace) start dirty; checks that one is handed back."""
+    next allocations of that size (a kernel's workspace) start dirty; checks on the host (no device temporary that
+    would land on one) that one is handed back."""
     blocks = [torch.full((numel,), float("nan"), device="cuda") for _ in range(count)]
     del blocks
-    assert torch.empty(numel, device="cuda").isnan().all(), "the caching allocator kept the NaN blocks"
+    assert torch.empty(numel, device="cuda").cpu().isnan().all(), "the caching allocator kept the NaN blocks"
 
 
 def op_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):

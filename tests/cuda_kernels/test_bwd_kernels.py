@@ -133,6 +133,7 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
 
 @pytest.mark.cuda
 @pytest.mark.large
+@pytest.mark.xdist_group("large")  # one worker runs the large tests, one after another
 @pytest.mark.skipif(os.environ.get("FLASHATTN_TEST_LARGE") != "1", reason="set FLASHATTN_TEST_LARGE=1 (~45 GiB)")
 def test_cuda_backward_of_more_than_2_31_elements():
     # q, out, dout and dq of more than 2^31 elements: the entries past the mark get their gradients (64-bit offsets

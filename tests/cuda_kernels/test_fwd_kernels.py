@@ -387,6 +387,7 @@ def test_cuda_bad_schedule_switch():
 
 @pytest.mark.cuda
 @pytest.mark.large
+@pytest.mark.xdist_group("large")  # one worker runs the large tests, one after another
 @pytest.mark.skipif(os.environ.get("FLASHATTN_TEST_LARGE") != "1", reason="set FLASHATTN_TEST_LARGE=1 (~20 GiB)")
 @pytest.mark.parametrize(
     "batch,heads,len_q,len_k",

@@ -173,6 +173,15 @@ def test_the_caches_versions_move_with_each_append():
     assert k_cache._version > before[0] and v_cache._version > before[1]
 
 
+def test_appends_under_inference_mode_move_the_versions():
+    k_cache, v_cache = dense_cache()
+    before = k_cache._version
+    with torch.inference_mode():
+        fwd_kvcache(torch.randn(B, H, 1, D), k_cache, v_cache, torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D),
+                    torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert k_cache._version > before
+
+
 def test_caches_made_under_inference_mode_are_read_outside_it():
     with torch.inference_mode():
         k_cache, v_cache = dense_cache()
@@ -252,7 +261,7 @@ def test_no_query_heads(device):
 
 
 def test_lengths_out_of_range():
-    """The CPU reads cache_seqlens and checks them (CUDA reads them on the device only: clamped there)."""
+    """The CPU reads cache_seqlens and checks them (CUDA reads them on the device only: never outside the tensors)."""
     k_cache, v_cache = dense_cache()
     with pytest.raises(RuntimeError, match=r"cache_seqlens\[2\] \+ Lnew must lie in"):
         fwd_kvcache(torch.randn(B, H, 1, D), k_cache, v_cache, torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D),
