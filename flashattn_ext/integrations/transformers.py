@@ -27,6 +27,7 @@ reads the sequence lengths on the host (one synchronisation per layer).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -65,6 +66,25 @@ def _target_dtype(query: Tensor) -> Optional[torch.dtype]:
 
 def _cu_seqlens(lengths: Tensor) -> Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+_readings: list = []  # the last few readings of masks or position ids on the host (see _read_once)
+_KEPT_READINGS = 4  # a forward's masks: full and sliding-window layers have one each
+
+
+def _read_once(source: Tensor, args: tuple, read):
+    """read(source, *args), kept for the next calls with the same tensor, unchanged, and args: the layers of one forward
+    pass the same mask or position ids, so their values go to the host once per forward, not once per layer (not
+    under torch.compile, which traces each call)."""
+    if torch.compiler.is_compiling():
+        return read(source, *args)
+    for ref, version, last_args, value in _readings:
+        if ref() is source and version == source._version and last_args == args:
+            return value
+    value = read(source, *args)
+    _readings.insert(0, (weakref.ref(source), source._version, args, value))
+    del _readings[_KEPT_READINGS:]
+    return value
 
 
 def _packed_by_positions(position_ids: Tensor, length: int) -> Optional[Tensor]:
@@ -145,7 +165,7 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
     if cu_q is None and attention_mask is None and position_ids is not None and batch == 1 and 1 < len_q == len_k:
-        cu_q = cu_k = _packed_by_positions(position_ids, len_q)  # packed by position ids (without a KV cache)
+        cu_q = cu_k = _read_once(position_ids, (len_q,), _packed_by_positions)  # packed (without a KV cache)
     if cu_q is not None:  # packed batch: (1, H, total, D)
         cu_k = cu_q if cu_k is None else cu_k
         out = _packed_call(
@@ -174,14 +194,22 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
     if attention_mask.shape[1] < len_k:  # a static cache: the slots past the mask's width are not written yet
         len_k = attention_mask.shape[1]
         key, value = key[:, :, :len_k], value[:, :, :len_k]
-    mask_k = attention_mask[:, -len_k:].bool()
-    mask_q = mask_k[:, -len_q:]
-    index_k = mask_k.reshape(-1).nonzero().view(-1)  # one host synchronisation (two with a KV cache)
-    index_q = index_k if len_q == len_k else mask_q.reshape(-1).nonzero().view(-1)
-    q = query.transpose(1, 2).reshape(batch * len_q, heads, head_dim).index_select(0, index_q)
-    k = key.transpose(1, 2).reshape(batch * len_k, heads_kv, head_dim).index_select(0, index_k)
-    v = value.transpose(1, 2).reshape(batch * len_k, heads_kv, head_dim).index_select(0, index_k)
-    cu_q, cu_k = _cu_seqlens(mask_q.sum(1)), _cu_seqlens(mask_k.sum(1))
+    (rows_q, index_q, cu_q), (rows_k, _, cu_k) = _read_once(attention_mask, (len_q, len_k), _unpadding)
+    # The real rows only, gathered straight from the (B, H, S, D) views: one copy of them, not of the whole cache.
+    q = query.transpose(1, 2)[rows_q]
+    k, v = key.transpose(1, 2)[rows_k], value.transpose(1, 2)[rows_k]
     packed = _packed_call(q, k, v, cu_q, cu_k, None, None, **options)
     out = packed.new_zeros(batch * len_q, heads, head_dim).index_copy(0, index_q, packed)
     return out.view(batch, len_q, heads, head_dim)
+
+
+def _unpadding(attention_mask: Tensor, len_q: int, len_k: int):
+    """For the queries (the last len_q positions) and the keys (the last len_k) of a padding mask: the real rows as
+    (batch, position) index tensors, their index in the flattened (B, S), and cu_seqlens. Reads the mask on the host
+    (one synchronisation; two with a KV cache)."""
+    mask_k = attention_mask[:, -len_k:].bool()
+    mask_q = mask_k[:, -len_q:]
+    index_k = mask_k.reshape(-1).nonzero().view(-1)
+    index_q = index_k if len_q == len_k else mask_q.reshape(-1).nonzero().view(-1)
+    return tuple(((index // length, index % length), index, _cu_seqlens(mask.sum(1)))
+                 for index, length, mask in ((index_q, len_q, mask_q), (index_k, len_k, mask_k)))

@@ -178,6 +178,25 @@ def test_output_in_the_inputs_dtype(monkeypatch):
     assert (got[real] - ref[real]).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("name", [name for name in ("llama", "gemma2") if name in CONFIGS])
+def test_a_padding_mask_is_read_once_per_forward(name, monkeypatch):
+    # The layers of one forward share a mask (Gemma 2: one for its full and one for its sliding-window layers): its
+    # values go to the host once per mask and forward, not once per layer.
+    reads = []
+    unpadding = fa_hf._unpadding
+    monkeypatch.setattr(fa_hf, "_unpadding", lambda *a: reads.append(a[0]) or unpadding(*a))
+    settings = {key: value for key, value in CONFIGS[name].to_dict().items() if key != "layer_types"}
+    config = type(CONFIGS[name])(**{**settings, "num_hidden_layers": 6})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=fa_hf.NAME).eval()
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        first = len(reads)
+        model(ids, attention_mask=mask)
+    assert 1 <= first <= 2 and len(reads) == 2 * first, reads
+
+
 def test_dropout_in_training_raises():
     config = transformers.LlamaConfig(**TINY, attention_dropout=0.1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=fa_hf.NAME).train()
