@@ -504,6 +504,15 @@ def results_of(impl: str, q, k, v, causal: bool, dout: Optional[torch.Tensor]) -
     return [out.detach(), *torch.autograd.grad(out, leaves, dout.to(out.dtype))]
 
 
+def within_rule(ours: List[torch.Tensor], truth: List[torch.Tensor], low: List[torch.Tensor],
+                dtype: torch.dtype) -> Tuple[List[float], bool]:
+    """Our max abs errors against `truth` (the reference path on upcast inputs), tensor by tensor, and whether each is
+    within ERROR_FACTOR times that path's own error in the input dtype (`low`) plus the floor."""
+    errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
+    baselines = [(theirs.float() - want).abs().max().item() for theirs, want in zip(low, truth)]
+    return errors, all(e <= ERROR_FACTOR * b + ERROR_FLOOR[dtype] for e, b in zip(errors, baselines))
+
+
 def check_correctness(row: Row, q, k, v, with_grads: bool, math_budget_bytes: float) -> None:
     """Fill the row's errors against the reference path on upcast inputs, and whether each is within ERROR_FACTOR
     times that path's own error in the input dtype plus the floor (diff_ok). The reference is FlexAttention with score
@@ -530,12 +539,10 @@ def check_correctness(row: Row, q, k, v, with_grads: bool, math_budget_bytes: fl
         except Exception:
             release_cuda_memory(q.device.type)
             continue
-        errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
-        baselines = [(theirs.float() - want).abs().max().item() for theirs, want in zip(low, truth)]
+        errors, row.diff_ok = within_rule(ours, truth, low, q.dtype)
         row.diff_ref = f"{impl} {str(upcast).replace('torch.', '')}"
         row.max_abs_diff = errors[0]
         row.grad_abs_diff = max(errors[1:]) if with_grads else None
-        row.diff_ok = all(e <= ERROR_FACTOR * b + ERROR_FLOOR[q.dtype] for e, b in zip(errors, baselines))
         return
 
 

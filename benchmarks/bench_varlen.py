@@ -33,14 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdpa import (  # noqa: E402
-    ERROR_FACTOR,
-    ERROR_FLOOR,
-    import_flashattn_ext,
-    make_timer,
-    results_of,
-    round_order,
-)
+from bench_sdpa import import_flashattn_ext, make_timer, results_of, round_order, within_rule  # noqa: E402
 
 IMPLS = ["ours", "varlen_attn", "loop", "dense"]
 
@@ -94,8 +87,7 @@ def make_callable(impl, fa, q, k, v, cu, lengths, causal, mode):
 
 def check_correctness(fa, q, k, v, cu, lengths, causal, with_grads):
     """Our packed call against SDPA's efficient backend sequence by sequence on float32 inputs: (output error,
-    largest gradient error or None, within ERROR_FACTOR x the same path's error in the input dtype + floor), or None
-    where the reference refuses the configuration."""
+    largest gradient error or None, within bench_sdpa's rule), or None where either side refuses the configuration."""
     dout = torch.randn_like(q) if with_grads else None
     leaves = [t.detach().requires_grad_(with_grads) for t in (q, k, v)]
     try:  # a configuration our op refuses shows '-' in the timing below
@@ -118,9 +110,7 @@ def check_correctness(fa, q, k, v, cu, lengths, causal, with_grads):
         truth, low = per_sequence(torch.float32), per_sequence(q.dtype)
     except Exception:
         return None
-    errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
-    baselines = [(theirs.float() - want).abs().max().item() for theirs, want in zip(low, truth)]
-    ok = all(e <= ERROR_FACTOR * b + ERROR_FLOOR[q.dtype] for e, b in zip(errors, baselines))
+    errors, ok = within_rule(ours, truth, low, q.dtype)
     return errors[0], (max(errors[1:]) if with_grads else None), ok
 
 

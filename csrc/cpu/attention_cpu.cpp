@@ -134,7 +134,7 @@ template <typename acc_t>
 struct FwdScratch {
   explicit FwdScratch(int64_t d)
       : q(kBlockM * d), k_t(d * kBlockN), v(kBlockN * d), p(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM),
-        l(kBlockM), sees_keys(kBlockM) {}
+        l(kBlockM) {}
   std::vector<acc_t> q;    // (kBlockM, D) query rows, pre-multiplied by the scale
   std::vector<acc_t> k_t;  // (D, kBlockN) keys, transposed so that Q K^T has an element-wise inner loop
   std::vector<acc_t> v;    // (kBlockN, D) values
@@ -142,7 +142,6 @@ struct FwdScratch {
   std::vector<acc_t> acc;  // (kBlockM, D) unnormalised output rows
   std::vector<acc_t> m;    // running row max of the scores seen so far (-inf before any visible key)
   std::vector<acc_t> l;    // running row sum of exp(score - m)
-  std::vector<char> sees_keys;  // the row has visible keys (whatever their scores)
 };
 
 // One online-softmax step for one query row over `visible` keys of the current block (visible >= 1):
@@ -195,7 +194,6 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
   std::fill(tmp.acc.begin(), tmp.acc.begin() + rows * d, acc_t(0));
   std::fill(tmp.m.begin(), tmp.m.end(), -std::numeric_limits<acc_t>::infinity());
   std::fill(tmp.l.begin(), tmp.l.end(), acc_t(0));
-  for (int64_t r = 0; r < rows; ++r) tmp.sees_keys[r] = band.key_begin(q_begin + r) < band.key_end(q_begin + r);
 
   // The block's rows see keys [first row's begin, last row's end); key blocks outside are never loaded.
   const int64_t block_key_begin = band.key_begin(q_begin);
@@ -234,7 +232,8 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const auto out_mat = head_slice<scalar_t>(out, b, h);
   float* lse_row = lse.data_ptr<float>() + b * lse.stride(0) + h * lse.stride(1);
   for (int64_t r = 0; r < rows; ++r) {
-    const acc_t l = tmp.l[r] == 0 && tmp.sees_keys[r] ? std::numeric_limits<acc_t>::quiet_NaN() : tmp.l[r];
+    const bool sees_keys = band.key_begin(q_begin + r) < band.key_end(q_begin + r);
+    const acc_t l = tmp.l[r] == 0 && sees_keys ? std::numeric_limits<acc_t>::quiet_NaN() : tmp.l[r];
     const acc_t inv_l = l != 0 ? acc_t(1) / l : acc_t(0);
     scalar_t* dst = out_mat.row(q_begin + r);
     for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(tmp.acc[r * d + x] * inv_l);

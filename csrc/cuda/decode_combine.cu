@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   const int query = static_cast<int>(row % p.len_q);
   const int head = static_cast<int>(row / p.len_q % p.heads);
   const int64_t batch = row / p.len_q / p.heads;
-  const int len_k = p.seqlens_k != nullptr ? kv_cache_length(p, static_cast<int>(batch)) : p.len_k;
+  const int len_k = entry_len_k(p, static_cast<int>(batch));
   const bool sees_keys = row_sees_band(query, len_k - p.len_q, p.window_left, p.window_right, len_k);
   float lse;
   const float scale =

@@ -104,8 +104,10 @@ struct FwdParams {
 };
 
 #ifdef __CUDACC__
-// A KV-cache entry's keys: its cache_seqlens value and the appended keys, clamped into the cache.
-__device__ inline int kv_cache_length(const FwdParams& p, int batch) {
+// Batch entry `batch`'s keys: len_k, or in a KV cache (seqlens_k) its cache_seqlens value and the appended keys,
+// clamped into the cache.
+__device__ inline int entry_len_k(const FwdParams& p, int batch) {
+  if (p.seqlens_k == nullptr) return p.len_k;
   const int64_t keys = static_cast<int64_t>(__ldg(p.seqlens_k + batch)) + p.len_new;
   return static_cast<int>(keys < 0 ? 0 : keys > p.len_k ? p.len_k : keys);
 }

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
 
   // This entry's keys, and those some query of it can see: [n_lo, n_hi). The band is the params' (causal folded in
   // as right = 0); its bounds for the queries 0 .. Lq - 1 of every head.
-  const int len_k = p.seqlens_k != nullptr ? kv_cache_length(p, batch) : p.len_k;
+  const int len_k = entry_len_k(p, batch);
   const int shift = len_k - p.len_q;
   const int left = p.window_left, right = p.window_right;
   const int n_lo = left < 0 ? 0 : min(len_k, max(0, shift - left));

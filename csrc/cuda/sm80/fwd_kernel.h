@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
     head = (blockIdx.x / num_m_blocks) % p.heads;
     batch = blockIdx.x / num_m_blocks / p.heads;
-    if (kSequences && p.seqlens_k != nullptr) seq_len_k = kv_cache_length(p, batch);
+    if (kSequences && p.seqlens_k != nullptr) seq_len_k = entry_len_k(p, batch);
   } else {
     const int num_slots = packed_slots(p.len_q, p.batch, kBlockM);
     const int index = blockIdx.x % num_slots;
