@@ -141,12 +141,11 @@ inline ScoreMods check_score_mods(const at::Tensor& q, const AttentionShape& s, 
   TORCH_CHECK(window_size[0] >= -1 && window_size[1] >= -1, op,
               ": window_size entries must be >= 0, or -1 for unbounded; got (", window_size[0], ", ", window_size[1],
               ")");
-  // The kernels hold softcap in float32: a positive cap must be a normal float32 (a smaller one would round to 0,
-  // which means off; a larger one to inf).
-  TORCH_CHECK(softcap == 0.0 || (softcap >= std::numeric_limits<float>::min() &&
-                                 softcap <= std::numeric_limits<float>::max()),
-              op, ": softcap must be 0 (off) or a positive float32 from ", std::numeric_limits<float>::min(), " to ",
-              std::numeric_limits<float>::max(), ", got ", softcap);
+  // The kernels hold softcap in float32 and take softcap * log2(e) as the capped scores' scale: a positive cap must be a
+  // normal float32 (a smaller one would round to 0, which means off) within the scale's bound.
+  TORCH_CHECK(softcap == 0.0 || (softcap >= std::numeric_limits<float>::min() && softcap <= kMaxScale), op,
+              ": softcap must be 0 (off) or a positive float32 from ", std::numeric_limits<float>::min(), " to ",
+              kMaxScale, " (softcap * log2(e) must fit in float32), got ", softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == s.heads, op, ": sinks must have shape (H,) = (", s.heads,
                 ",), got ", sinks->sizes());

@@ -88,12 +88,13 @@ void check_cuda_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
     const std::string violation = row_alignment_violation(*t);
     TORCH_CHECK(violation.empty(), op, ": ", name, violation);
   }
-  // Kernels index rows and blocks with 32-bit ints (offsets into memory are 64-bit); leave headroom for a block.
+  // Kernels index rows and blocks with 32-bit ints (offsets into memory are 64-bit), band bounds such as
+  // i + (Lk - Lq) + right among them; leave headroom for a block.
   constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max() - 256;
   const int64_t num_blocks = (std::max(s.len_q, s.len_k) + 63) / 64 * s.heads * s.batch;
-  TORCH_CHECK(s.len_q <= kMaxLen && s.len_k <= kMaxLen && num_blocks <= std::numeric_limits<int32_t>::max() &&
+  TORCH_CHECK(s.len_q + s.len_k <= kMaxLen && num_blocks <= std::numeric_limits<int32_t>::max() &&
                   (s.batch * s.heads * s.len_q + 7) / 8 <= std::numeric_limits<int32_t>::max(),
-              op, ": Lq and Lk must be below 2^31 - 256, and B * H * ceil(max(Lq, Lk) / 64) below 2^31");
+              op, ": Lq + Lk must be below 2^31 - 256, and B * H * ceil(max(Lq, Lk) / 64) below 2^31");
 }
 
 // Sizes and softmax scale, the fields FwdParams and BwdParams share.
@@ -116,12 +117,15 @@ void set_shape_and_scale(Params& p, const AttentionShape& s, double scale) {
                      : static_cast<float>(scale_log2);
 }
 
-// The score modifications as the kernels take them (params.h); `sinks` must outlive the launch.
+// The score modifications as the kernels take them (params.h), after the scale (set_shape_and_scale); `sinks` must
+// outlive the launch. The kernels divide the scale by the cap in float32 (denormals flushed): a cap for which that is
+// below the normal range could change only scores beyond ~1e34 (tanh(x) = x to float32 for |x| < 2^-12), so it is off.
 template <typename Params>
 void set_score_mods(Params& p, const ScoreMods& mods) {
   p.window_left = static_cast<int>(std::min<int64_t>(mods.left, std::numeric_limits<int>::max()));
   p.window_right = static_cast<int>(std::min<int64_t>(mods.right, std::numeric_limits<int>::max()));
-  p.softcap = static_cast<float>(mods.softcap);
+  const bool cap_binds = mods.softcap > 0.0 && std::abs(p.scale) / mods.softcap >= std::numeric_limits<float>::min();
+  p.softcap = cap_binds ? static_cast<float>(mods.softcap) : 0.f;
 }
 
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -383,8 +387,9 @@ at::Tensor sink_grads(const at::Tensor& dout, const at::Tensor& out, const at::T
     delta = at::linalg_vecdot(dout.to(at::kFloat), out.to(at::kFloat));
     if (dlse.has_value()) delta = delta - *dlse;
   }
-  const at::Tensor sink_prob = (sinks.view({1, -1, 1}) - lse).exp_().masked_fill_(lse.isneginf(), 0.0);
-  return (sink_prob * delta).sum(at::IntArrayRef{0, 2}).neg_();
+  // A row without keys and with a sink of -inf (lse = -inf) adds nothing, whatever its dlse (an inf would give NaN).
+  const at::Tensor terms = ((sinks.view({1, -1, 1}) - lse).exp_() * delta).masked_fill_(lse.isneginf(), 0.0);
+  return terms.sum(at::IntArrayRef{0, 2}).neg_();
 }
 
 // delta = rowsum(dO * O) - dlse and dq_accum zeroed, in one pass: dout and out as (B, H, L, D) views (rows 16-byte

@@ -127,6 +127,16 @@ def test_cuda_unsupported_head_dim(head_dim):
 
 
 @pytest.mark.cuda
+def test_cuda_lengths_past_32_bit_band_bounds():
+    # Band bounds such as i + (Lk - Lq) + right reach Lq + Lk: past 2^31 they would wrap in the kernels' 32-bit ints.
+    # Keys of stride 0 (no memory behind them): the check runs before anything is read.
+    q = torch.randn(1, 1, 1000, 64, dtype=torch.float16, device="cuda")
+    k = torch.zeros(1, 1, 1, 64, dtype=torch.float16, device="cuda").expand(1, 1, 2**31 - 1000, 64)
+    with pytest.raises(RuntimeError, match=re.escape("Lq + Lk must be below 2^31 - 256")):
+        fwd(q, k, k, window_size=[1023, 1000])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("cpu_tensor", ["q", "k", "v"])
 def test_mixed_devices(cpu_tensor):
     tensors = dict(zip("qkv", qkv("cuda")))

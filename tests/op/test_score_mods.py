@@ -159,6 +159,17 @@ def test_softcap_rows_far_below_the_cap(device, dtype, head_dim, softcap):
     run_fwd(q.to(dtype), k.to(dtype), v.to(dtype), False, scale, (-1, -1), softcap)
 
 
+@pytest.mark.parametrize("softcap", [1e37, 2e38], ids=["cap1e37", "cap2e38"])
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_softcap_too_large_to_bind(device, dtype, softcap):
+    # scale / softcap below float32's normal range (flushed to 0 on CUDA) and softcap * log2(e) near float32's largest:
+    # the cap binds on no score here, and the softmax is the uncapped one (was uniform, or NaN, on CUDA).
+    q, k, v = make_qkv(1, 2, 2, 65, 97, 64, dtype, device)
+    out, _ = run_fwd(q, k, v, False, 0.125, (-1, -1), softcap)
+    assert torch.allclose(out.float(), fwd(q, k, v, False, 0.125)[0].float(), atol=2e-2)
+    run_grads(q, k, v, False, 0.125, (-1, -1), softcap)
+
+
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("softcap", [1.0, 30.0], ids=["cap1", "cap30"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -223,6 +234,21 @@ def test_sinks_minus_infinity_is_no_sink():
     with_sinks = fwd(q, k, v, True, None, [-1, -1], 0.0, sinks)
     plain = fwd(q, k, v, True)
     assert torch.equal(with_sinks[0], plain[0]) and torch.equal(with_sinks[1], plain[1])
+
+
+
+def test_sinks_of_minus_infinity_ignore_dlse_of_rows_without_keys(device):
+    # Causal with Lq > Lk: the first rows see no key; a sink of -inf leaves their lse -inf. An infinite dlse there (as
+    # logaddexp's gradient of two -inf values gives) adds nothing to dsinks (0 * inf would be NaN).
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(1, 2, 2, 40, 30, 64, dtype, device)
+    sinks = torch.tensor([float("-inf"), 1.0], device=device)
+    out, lse = fwd(q, k, v, True, None, [-1, -1], 0.0, sinks)
+    assert lse[0, 0, :10].isneginf().all()
+    dlse = torch.zeros_like(lse)
+    dlse[0, 0, :10] = float("inf")
+    grads = bwd(torch.randn_like(out), q, k, v, out, lse, True, None, dlse, False, [-1, -1], 0.0, sinks)
+    assert grads[3][0] == 0 and grads[3].isfinite().all()
 
 
 # ---- combinations -------------------------------------------------------------------------------------------------
@@ -364,11 +390,13 @@ def test_opcheck_with_mods(device):
         (dict(softcap=math.inf), "softcap must be 0 \\(off\\) or a positive float32"),
         (dict(softcap=math.nan), "softcap must be 0 \\(off\\) or a positive float32"),
         (dict(softcap=1e39), "softcap must be 0 \\(off\\) or a positive float32"),  # inf in float32
+        (dict(softcap=3e38), "softcap must be 0 \\(off\\) or a positive float32"),  # softcap * log2(e): inf
         (dict(softcap=1e-46), "softcap must be 0 \\(off\\) or a positive float32"),  # 0 (off) in float32
         (dict(sinks=torch.zeros(3)), r"sinks must have shape \(H,\)"),
         (dict(sinks=torch.zeros(4, dtype=torch.float64)), "sinks must be float32"),
     ],
-    ids=["window-neg", "window-len", "softcap-neg", "softcap-inf", "softcap-nan", "softcap-huge", "softcap-tiny",
+    ids=["window-neg", "window-len", "softcap-neg", "softcap-inf", "softcap-nan", "softcap-huge", "softcap-log2e",
+         "softcap-tiny",
          "sinks-shape", "sinks-dtype"],
 )
 def test_bad_mods(device, kwargs, message):
