@@ -62,6 +62,14 @@ inline bool decode_splits_in_turn(int batch, int heads_kv, int heads_per_kv, int
   return splits > 1 && 16 * ctas >= 15 * slots && blocks <= kDecodeMaxBlocksInTurn * splits;
 }
 
+// The grid: x the splits that run as CTAs of their own (1 where there is one or they run in turn) times the chunks of
+// the batch, y the kv heads x row groups, z the batch entries, up to CUDA's 65535 (a larger batch continues in further
+// chunks along x: the same kernel at any batch size).
+inline constexpr int kDecodeMaxGridZ = 65535;
+__host__ __device__ inline int decode_split_ctas(const FwdPlan& plan) {
+  return plan.splits > 1 && !plan.splits_in_turn ? plan.splits : 1;
+}
+
 // The splits' workspace: split s's part of output row r (rows (batch, head, query), B * H * Lq of them) is row
 // decode_split_part(p, s, r) of split_out (normalised, head_dim floats: the kernel's) and of split_lse, which follows.
 __host__ __device__ inline int64_t decode_split_rows(const FwdParams& p) {

@@ -141,7 +141,10 @@ cudaError_t run_decode_combine(const FwdParams& params, int head_dim, cudaStream
   if (smem + kStaticBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(decode_combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  combine_smem_bytes(kDecodeMaxSplits, kMaxHeadDim));
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
+      return err;
+    }
   }
   decode_combine_kernel<T><<<static_cast<unsigned>(rows), head_dim, smem, stream>>>(params, head_dim);
   return cudaGetLastError();

@@ -30,13 +30,14 @@ inline bool fwd_wants_sm90(int bucket, const FwdDevice& device, const Switches& 
   return device.sm90 && sw.fwd_sm90 != Sm90Use::kOff && sm90_fwd_covers(bucket);
 }
 
-// Whether the decode path takes the call: a few query rows (any score modification), a grid within CUDA's limit of
-// 65535 CTAs along y (kv heads x row groups) and z (batch entries), on a GPU whose CTAs may have the kernel's shared
-// memory (not D128 on sm_86 / sm_89, nor D256 on sm_80). The forward kernels (a 1-D grid) take the others.
+// Whether the decode path takes the call: a few query rows (any score modification), kv heads x row groups within
+// CUDA's limit of 65535 CTAs along y, on a GPU whose CTAs may have the kernel's shared memory (not D128 on sm_86 /
+// sm_89, nor D256 on sm_80). The forward kernels (a 1-D grid) take the others. Never the batch size: a row's bits do
+// not depend on it.
 inline bool decode_applies(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw) {
-  constexpr int64_t kMaxGridYz = 65535;
+  constexpr int64_t kMaxGridY = 65535;
   const int64_t groups = static_cast<int64_t>(p.heads_kv) * decode_row_groups(p.heads_per_kv, p.len_q);
-  return sw.decode && p.len_q <= kDecodeMaxLenQ && p.batch <= kMaxGridYz && groups <= kMaxGridYz &&
+  return sw.decode && p.len_q <= kDecodeMaxLenQ && groups <= kMaxGridY &&
          decode_smem_bytes(decode_head_dim(bucket)) <= device.smem_per_block;
 }
 

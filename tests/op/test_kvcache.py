@@ -485,15 +485,19 @@ def test_cuda_appends_past_the_cache_are_dropped():
 
 @pytest.mark.cuda
 def test_cuda_more_batch_entries_than_a_grid_dimension_holds():
-    # 70000 entries: past the decode grid's 65535 along z the forward kernels take the call (a 1-D grid).
+    # 70000 entries: past CUDA's 65535 along the decode grid's z, the batch continues in a second chunk along x. Each
+    # entry is right and has the bits it has in a batch of its own (the kernel does not change with the batch size).
     batch = 70000
     q = torch.randn(batch, 4, 1, 64, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(batch, 2, 32, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    for out, lse in (flashattn_ext.flash_attn_with_lse(q, k, v),
-                     flashattn_ext.flash_attn_with_kvcache(q, k, v, return_lse=True)):
-        for b in (0, batch // 2, batch - 1):
+    for call in (lambda *a: flashattn_ext.flash_attn_with_lse(*a),
+                 lambda *a: flashattn_ext.flash_attn_with_kvcache(*a, return_lse=True)):
+        out, lse = call(q, k, v)
+        for b in (0, 65534, 65535, 65536, batch - 1):
             entry = slice(b, b + 1)
             assert_attention_close(out[entry], lse[entry], q[entry], k[entry], v[entry])
+            alone = call(q[entry], k[entry], v[entry])
+            assert torch.equal(out[entry], alone[0]) and torch.equal(lse[entry], alone[1])
 
 
 @pytest.mark.cuda

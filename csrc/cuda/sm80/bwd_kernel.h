@@ -351,7 +351,10 @@ cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
+      return err;
+    }
   }
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t blocks = !kSequences || params.cu_seqlens_q == nullptr

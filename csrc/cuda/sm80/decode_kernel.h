@@ -80,7 +80,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   const int row_groups = decode_row_groups(p.heads_per_kv, p.len_q);
   const int kv_head = blockIdx.y / row_groups;
   const int row0 = (blockIdx.y % row_groups) * kRows;
-  const int batch = blockIdx.z;
+  const int split_ctas = decode_split_ctas(p.plan);
+  const int split = blockIdx.x % split_ctas;
+  const int batch = blockIdx.x / split_ctas * gridDim.z + blockIdx.z;
+  if (batch >= p.batch) return;  // past the batch in its last chunk
 
   // This entry's keys, and those some query of it can see: [n_lo, n_hi). The band is the params' (causal folded in
   // as right = 0); its bounds for the queries 0 .. Lq - 1 of every head.
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   // The splits: the entry's blocks in plan.splits equal runs. The CTA's blocks: one split's, or all of them in turn.
   const int num_blocks = (n_hi - n_lo + kBlockN - 1) / kBlockN;
   const int per_split = (num_blocks + p.plan.splits - 1) / p.plan.splits;
-  const int b_begin = in_turn ? 0 : min(num_blocks, static_cast<int>(blockIdx.x) * per_split);
+  const int b_begin = in_turn ? 0 : min(num_blocks, split * per_split);
   const int b_end = in_turn ? num_blocks : min(num_blocks, b_begin + per_split);
 
   // A packed row's query head and query.
@@ -447,7 +450,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   // This split's part, for the combine.
   const float lse = split_part(o, base, sum);
   const int64_t part =
-      decode_split_part(p, blockIdx.x, (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query);
+      decode_split_part(p, split, (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + query);
   float* const dst = p.split_out + part * kHeadDim + col0;
 #pragma unroll
   for (int c = 0; c < kCols; c += 4) {
@@ -464,11 +467,16 @@ cudaError_t run_decode(const FwdParams& params, cudaStream_t stream) {
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
+      return err;
+    }
   }
   const int row_groups = decode_row_groups(params.heads_per_kv, params.len_q);
   const bool combine = params.plan.splits > 1 && !params.plan.splits_in_turn;
-  const dim3 grid(combine ? params.plan.splits : 1, params.heads_kv * row_groups, params.batch);
+  const int batch_z = std::min(params.batch, kDecodeMaxGridZ);
+  const int chunks = (params.batch + batch_z - 1) / batch_z;
+  const dim3 grid(decode_split_ctas(params.plan) * chunks, params.heads_kv * row_groups, batch_z);
   kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess && combine) err = run_decode_combine<T>(params, HeadDim, stream);
