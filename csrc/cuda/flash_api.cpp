@@ -237,6 +237,14 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
   return err;
 }
 
+// Raises where the portable forward's plan found no K/V pipeline that fits the device's shared memory (one tile fits
+// 99 KB at D256: a GPU of sm_80 or later always takes one).
+void check_fits(const FwdPlan& plan, const FwdDevice& device, const char* op) {
+  TORCH_CHECK(plan.kernel != FwdKernel::kSm80 || plan.kv_tiles > 0, op, ": head dim bucket ", plan.head_dim, " needs ",
+              sm80::fwd_smem_bytes(plan.head_dim, 1), " bytes of shared memory per block; this GPU allows ",
+              device.smem_per_block);
+}
+
 // The plan's workspace (for the caching allocator, which orders its reuse on the stream: the caller keeps it until
 // the launch is enqueued), its leading part zeroed on the stream, its parts given to the params.
 at::Tensor attach_workspace(FwdParams& params, const at::Tensor& q, cudaStream_t stream) {
@@ -304,6 +312,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90 || params.plan.kernel != FwdKernel::kSm80,
               "flashattn.fwd: FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot "
               "describe the strides of q, k or v)");
+  check_fits(params.plan, device, "flashattn.fwd");
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor workspace = attach_workspace(params, q, stream);
@@ -609,9 +618,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   } else {
     TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !wants_sm90, op, ": FLASHATTN_FWD_SM90=strict, but the Hopper "
                 "kernel cannot take these inputs (TMA cannot describe the strides of q, k or v)");
-    p.plan.kernel = FwdKernel::kSm80;
-    p.plan.head_dim = bucket;
+    p.plan = plan_fwd_sm80(bucket, device, sw);
   }
+  check_fits(p.plan, device, op);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor workspace = attach_workspace(p, q, stream);
   const cudaError_t err = launch_fwd(p, is_bf16, bucket, stream);
@@ -824,9 +833,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   if (decode_applies(p, bucket, device, switches())) {
     p.plan = plan_decode(p, bucket, device.num_sms, num_splits, switches());
   } else {
-    p.plan.kernel = FwdKernel::kSm80;
-    p.plan.head_dim = bucket;
+    p.plan = plan_fwd_sm80(bucket, device, switches());
   }
+  check_fits(p.plan, device, op);
   const at::Tensor workspace = attach_workspace(p, q, stream);
   const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));

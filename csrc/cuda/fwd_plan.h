@@ -9,6 +9,7 @@
 #include "cuda/decode.h"
 #include "cuda/kernel_table.h"
 #include "cuda/params.h"
+#include "cuda/sm80/tile_size.h"
 #include "cuda/sm90/sequences.h"
 #include "cuda/sm90/tile_scheduler.h"
 #include "cuda/sm90/tile_size.h"
@@ -77,15 +78,23 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
   return plan;
 }
 
+// The portable forward: as many K/V tiles as the device's CTAs may have (fewer where FLASHATTN_SM80_KV_TILES asks, from
+// D128), 0 where not even one fits (the caller raises).
+inline FwdPlan plan_fwd_sm80(int bucket, const FwdDevice& device, const Switches& sw) {
+  FwdPlan plan{};
+  plan.kernel = FwdKernel::kSm80;
+  plan.head_dim = bucket;
+  plan.kv_tiles = sm80::fwd_kv_tiles(bucket, device.smem_per_block, sw.sm80_kv_tiles > 0 ? sw.sm80_kv_tiles : 4);
+  return plan;
+}
+
 // `p` holds the call's shapes (its plan is ignored); `deterministic`: torch.use_deterministic_algorithms is on.
 inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw,
                         bool deterministic) {
   if (decode_applies(p, bucket, device, sw)) return plan_decode(p, bucket, device.num_sms, 0, sw);
-  FwdPlan plan{};
-  plan.kernel = FwdKernel::kSm80;
-  plan.head_dim = bucket;
-  if (!fwd_wants_sm90(bucket, device, sw) || !device.tma_maps_q_kv) return plan;
+  if (!fwd_wants_sm90(bucket, device, sw) || !device.tma_maps_q_kv) return plan_fwd_sm80(bucket, device, sw);
 
+  FwdPlan plan{};
   plan.kernel = FwdKernel::kSm90;
   plan.head_dim = sm90_kernel_head_dim(bucket);
   const sm90::FwdTileShape shape = sm90::fwd_tile_shape(plan.head_dim, p.causal, p.len_q, p.len_k);

@@ -21,6 +21,7 @@ enum class FwdSchedule : int {
 struct FwdPlan {
   FwdKernel kernel;
   int head_dim;                     // the kernel's head dim: the bucket (sm80), 64, 128 or 256 (sm90)
+  int kv_tiles;                     // sm80: K/V tiles in shared memory, 4, 2 or 1 (sm80/tile_size.h)
   int consumers, block_m, block_n;  // sm90: the tile shape (sm90/tile_size.h)
   FwdSchedule schedule;             // sm90
   int grid;                         // sm90: persistent CTAs

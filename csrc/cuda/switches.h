@@ -29,6 +29,9 @@ struct Switches {
   bool decode = true;            // FLASHATTN_DECODE=0: short queries run the forward kernels, not the decode path
   FwdScheduleChoice fwd_schedule = FwdScheduleChoice::kAuto;
   DecodeSplits decode_splits = DecodeSplits::kAuto;
+  // FLASHATTN_SM80_KV_TILES, for tests on GPUs with more shared memory: the portable forward from D128 with at most this
+  // many K/V tiles (4, 2 or 1; 0, default: as many as the device allows), the pipelines of smaller GPUs.
+  int sm80_kv_tiles = 0;
   // FLASHATTN_BWD_CTAS, for tests: the persistent Hopper backward's grid (0, default: the SM count); a small grid makes
   // every CTA run many key blocks.
   int bwd_ctas = 0;
@@ -73,6 +76,7 @@ inline Switches read_switches() {
   s.batch_invariant = read_switch("FLASHATTN_BATCH_INVARIANT", {"0", "1"}, "1") == "1";
   s.decode = read_switch("FLASHATTN_DECODE", {"0", "1"}, "1") == "1";
   s.bwd_ctas = read_count_switch("FLASHATTN_BWD_CTAS", 1 << 16);
+  s.sm80_kv_tiles = std::stoi(read_switch("FLASHATTN_SM80_KV_TILES", {"1", "2", "4"}, "0"));
   const std::string schedule =
       read_switch("FLASHATTN_FWD_SCHEDULE", {"auto", "counter", "whole-tiles", "stream-k"}, "auto");
   s.fwd_schedule = schedule == "counter"       ? FwdScheduleChoice::kCounter

@@ -28,3 +28,8 @@ def kvcache_each(cases):
 def backward_each(cases):
     """cases: [(name of a torch.ops.flashattn backward, args, kwargs)] -> [(dq, dk, dv)]."""
     return [getattr(torch.ops.flashattn, op)(*args, **kwargs)[:3] for op, args, kwargs in cases]
+
+
+def calls_each(cases):
+    """cases: [(name of a flashattn_ext function, args, kwargs)] -> [its result]."""
+    return [getattr(flashattn_ext, name)(*args, **kwargs) for name, args, kwargs in cases]

@@ -377,6 +377,46 @@ def test_cuda_causal_schedules_agree(causal_runs, case, head_dim):
         assert counter_allocations - auto_allocations == (1 if zigzag else 0)
 
 
+def portable_forward_cases():
+    """Calls that run the portable forward (FLASHATTN_FWD_SM90=0, FLASHATTN_DECODE=0) in its buckets from D128, where
+    GPUs with less shared memory than this one take fewer K/V tiles: (name of a flashattn_ext function, args,
+    kwargs)."""
+    cases = []
+    for head_dim in (128, 160, 256):
+        q, k, v = make_qkv(2, 4, 2, 200, 333, head_dim, torch.bfloat16, "cuda")
+        cases.append(("flash_attn_with_lse", (q, k, v), dict(causal=True)))
+        sinks = torch.randn(4, device="cuda")
+        cases.append(("flash_attn_with_lse", (q, k, v), dict(window_size=(64, 17), softcap=20.0, sinks=sinks)))
+        # A few queries against a paged cache of 15-row pages in random order (checked by the KV-cache tests).
+        k_pages, v_pages = (torch.randn(44, 2, 15, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        table = torch.randperm(44, device="cuda").to(torch.int32).reshape(2, 22)
+        lengths = torch.tensor([330, 17], dtype=torch.int32, device="cuda")
+        cases.append(("flash_attn_with_kvcache", (q[:, :, :3], k_pages, v_pages),
+                      dict(cache_seqlens=lengths, block_table=table, causal=True, return_lse=True)))
+    return cases
+
+
+@pytest.mark.cuda
+def test_cuda_portable_forward_with_fewer_kv_tiles():
+    # Double-buffered K and V (this GPU), one tile of each (sm_80 above D192, sm_86 / sm_89 from D128) and one shared
+    # tile (sm_86 / sm_89 above D160): the same loads and GEMMs in another order, so the same bits; the first checked
+    # against the reference.
+    cases = portable_forward_cases()
+    env = {"FLASHATTN_FWD_SM90": "0", "FLASHATTN_DECODE": "0"}
+    runs = {tiles: run_isolated(dict(env, FLASHATTN_SM80_KV_TILES=str(tiles)), "cuda_kernels.schedule_runs",
+                                "calls_each", cases) for tiles in (4, 2, 1)}
+    for i, (name, args, kwargs) in enumerate(cases):
+        out, lse = runs[4][i]
+        if name == "flash_attn_with_lse":
+            assert_attention_close(out, lse, *args, kwargs.get("causal", False), None,
+                                   kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
+                                   kwargs.get("sinks"))
+        else:
+            assert out.isfinite().all()
+        for tiles in (2, 1):
+            assert torch.equal(runs[tiles][i][0], out) and torch.equal(runs[tiles][i][1], lse), (name, tiles)
+
+
 @pytest.mark.cuda
 def test_cuda_bad_schedule_switch():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "cuda")

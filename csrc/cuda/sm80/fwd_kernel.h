@@ -1,4 +1,5 @@
-// Portable FlashAttention-2 forward (sm_80 and newer): mma.sync m16n8k16, ldmatrix, cp.async double buffering.
+// Portable FlashAttention-2 forward (sm_80 and newer): mma.sync m16n8k16, ldmatrix, cp.async double buffering (fewer
+// K/V tiles where a GPU's CTAs have less shared memory).
 //
 // One CTA computes a kBlockM x D block of the output for one (batch, head). Its Q block stays in shared memory;
 // the CTA walks the K/V blocks the block can see, and each warp keeps the online-softmax state (running max,
@@ -19,35 +20,27 @@
 #include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"
 #include "cuda/sm80/tile_io.h"
+#include "cuda/sm80/tile_size.h"
 
 namespace flashattn::sm80 {
 
 template <int HeadDim>
 struct FwdTraits {
+  static constexpr FwdTileShape kShape = fwd_tile_shape(HeadDim);
   static constexpr int kHeadDim = HeadDim;
-  // Up to D = 128 a warp owns 32 rows (two m16 tiles), so every K/V fragment read from shared memory feeds two
-  // MMAs: with 16 rows per warp the CTA would be bound by ldmatrix bandwidth rather than by the tensor cores.
-  // Past 128 the fp32 accumulator of 32 rows no longer fits in registers; there 8 warps own 16 rows each.
-  static constexpr int kMTiles = HeadDim <= 128 ? 2 : 1;
-  static constexpr int kNWarps = HeadDim <= 128 ? 4 : 8;
+  static constexpr int kNWarps = kShape.warps;
+  static constexpr int kMTiles = kShape.block_m / (16 * kNWarps);
   static constexpr int kNThreads = kNWarps * 32;
-  static constexpr int kBlockM = kNWarps * kMTiles * 16;  // 128 for every head dim
-  // Wider key blocks halve the per-block overhead (barriers, row max reductions) where registers allow.
-  static constexpr int kBlockN = HeadDim <= 64 ? 128 : 64;
-  // Rows of shared-memory tiles are padded by 16 bytes: consecutive rows then start in different 16-byte bank
-  // groups, which makes every ldmatrix (8 rows x 16 bytes) conflict-free for any D that is a multiple of 32.
-  static constexpr int kSmemStride = HeadDim + 8;
-  static constexpr int kStages = 2;  // K and V are double-buffered
+  static constexpr int kBlockM = kShape.block_m;
+  static constexpr int kBlockN = kShape.block_n;
+  static constexpr int kSmemStride = kShape.smem_stride;
   static constexpr int kSmemQ = kBlockM * kSmemStride;
   static constexpr int kSmemKV = kBlockN * kSmemStride;
-  template <typename T>
-  static constexpr int smem_bytes() {
-    return (kSmemQ + 2 * kStages * kSmemKV) * static_cast<int>(sizeof(T));
-  }
   // Two CTAs per SM where registers (<= 255 per thread for 128 threads) and shared memory allow it.
   static constexpr int kMinBlocksPerSM = kNWarps == 4 ? 2 : 1;
 
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256, "head-dim buckets are multiples of 32 up to 256");
+  static_assert(kMTiles * 16 * kNWarps == kBlockM, "a warp owns whole m16 tiles");
 };
 
 // Writes a finished output row range; `rows` rows of the warp, staged in shared memory, 16 bytes per store.
@@ -78,10 +71,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of the output accumulator
   constexpr int kNTiles = kBlockN / 8;   // n8 tiles of the score block
 
+  // The plan's K/V tiles (as many as the device's CTAs may have, sm80/tile_size.h): 4, K and V double-buffered, block
+  // j + 1 loading under block j; 2, one tile of each, V_j loading under S = Q K_j^T and K_j+1 under P V_j; 1, K_j then
+  // V_j in one tile, only the softmax hiding a load.
+  const int kv_tiles = fwd_always_four_tiles(kHeadDim) ? 4 : p.plan.kv_tiles;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* const sQ = reinterpret_cast<T*>(smem_raw);
-  T* const sK = sQ + Traits::kSmemQ;                        // [kStages][kBlockN][kStride]
-  T* const sV = sK + Traits::kStages * Traits::kSmemKV;     // [kStages][kBlockN][kStride]
+  T* const sK = sQ + Traits::kSmemQ;                         // [kv_tiles == 4 ? 2 : 1][kBlockN][kStride]
+  T* const sV = sK + (kv_tiles / 2) * Traits::kSmemKV;       // the same shape (kv_tiles 1: sK itself)
 
   // Block order: query blocks fastest, so CTAs running together share one head's K/V in L2. Causal runs the
   // longest query blocks (the last ones) first so that the short ones fill the tail of the grid. The sequences
@@ -133,31 +130,35 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
                     static_cast<int64_t>(row_k) * p.k_row_stride;
   const T* v_base = static_cast<const T*>(p.v) + (paged ? 0 : batch) * p.v_batch_stride + kv_head * p.v_head_stride +
                     static_cast<int64_t>(row_k) * p.v_row_stride;
-  // K and V rows start .. start + kBlockN - 1 (those at n_end and past zero-filled) into a stage.
-  const auto load_kv = [&](int stage, int start) {
-    T* const k_stage = sK + stage * Traits::kSmemKV;
-    T* const v_stage = sV + stage * Traits::kSmemKV;
+  // K or V rows start .. start + kBlockN - 1 (those at n_end and past zero-filled) into a tile.
+  const auto load_rows = [&](T* tile, const T* base, int64_t page_stride, int64_t row_stride, int start) {
     if (paged) {
       const PagedRows rows{p.block_table + static_cast<int64_t>(batch) * p.block_table_stride, p.page_size,
                            p.num_pages};
-      load_paged_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_batch_stride, p.k_row_stride, rows, start,
-                                                n_end, p.head_dim);
-      load_paged_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_batch_stride, p.v_row_stride, rows, start,
-                                                n_end, p.head_dim);
+      load_paged_tile_async<T, Traits, kBlockN>(tile, base, page_stride, row_stride, rows, start, n_end, p.head_dim);
     } else {
-      load_tile_async<T, Traits, kBlockN>(k_stage, k_base, p.k_row_stride, start, n_end, p.head_dim);
-      load_tile_async<T, Traits, kBlockN>(v_stage, v_base, p.v_row_stride, start, n_end, p.head_dim);
+      load_tile_async<T, Traits, kBlockN>(tile, base, row_stride, start, n_end, p.head_dim);
     }
+  };
+  const auto load_k = [&](int stage, int start) {
+    load_rows(sK + stage * Traits::kSmemKV, k_base, p.k_batch_stride, p.k_row_stride, start);
+  };
+  const auto load_v = [&](int stage, int start) {
+    load_rows(sV + stage * Traits::kSmemKV, v_base, p.v_batch_stride, p.v_row_stride, start);
   };
   T* o_base = static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride +
               static_cast<int64_t>(row_q) * p.o_row_stride;
   float* lse_base = p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q + row_q;
 
-  // Prologue: {Q, K0, V0} in flight. Each iteration then waits for block j, and one barrier both publishes it
-  // and proves every warp is done with block j - 1, whose stage receives block j + 1 at once. One barrier per
-  // block lets warps drift apart, so one warp's softmax runs under another's MMAs.
+  // Prologue: {Q, K0, and with 4 tiles V0} in flight. Each iteration then waits for block j, and one barrier both
+  // publishes it and proves every warp is done with block j - 1, whose stage (4 tiles) receives block j + 1 at once.
+  // One barrier per block lets warps drift apart, so one warp's softmax runs under another's MMAs. Fewer tiles take
+  // a second barrier (V_j landed, every warp done with K_j) and, with 1, a third (every warp done with V_j).
   load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q(), p.head_dim);
-  if (num_n_blocks > first_n_block) load_kv(0, first_n_block * kBlockN);
+  if (num_n_blocks > first_n_block) {
+    load_k(0, first_n_block * kBlockN);
+    if (kv_tiles == 4) load_v(0, first_n_block * kBlockN);
+  }
   cp_async_commit();
 
   // Per-thread state. Fragment rows: lane / 4 and lane / 4 + 8 of each m16 tile; columns 2 * (lane % 4) + {0, 1}
@@ -191,14 +192,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   const float scale_log2 = softcap ? p.softcap * 1.4426950408889634f : fabsf(p.scale_log2);
 
   for (int n_block = first_n_block; n_block < num_n_blocks; ++n_block) {
-    const int stage = (n_block - first_n_block) % Traits::kStages;
+    const int stage = kv_tiles == 4 ? (n_block - first_n_block) % 2 : 0;
     const T* sK_stage = sK + stage * Traits::kSmemKV;
     const T* sV_stage = sV + stage * Traits::kSmemKV;
     const int n_start = n_block * kBlockN;
+    const bool next = n_block + 1 < num_n_blocks;
 
-    cp_async_wait<0>();  // K_j and V_j have landed (this thread's copies)...
-    __syncthreads();     // ...and everyone's; stage `stage ^ 1` is free again
-    if (n_block + 1 < num_n_blocks) load_kv(stage ^ 1, n_start + kBlockN);
+    cp_async_wait<0>();  // K_j (4 tiles: and V_j) has landed (this thread's copies)...
+    __syncthreads();     // ...and everyone's; 4 tiles: stage `stage ^ 1` is free again; 2: V's tile is
+    if (kv_tiles == 4 && next) {
+      load_k(stage ^ 1, n_start + kBlockN);
+      load_v(stage ^ 1, n_start + kBlockN);
+    }
+    if (kv_tiles == 2) load_v(0, n_start);
     cp_async_commit();
 
     // S = Q · K_jᵀ
@@ -226,6 +232,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
           mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
+    }
+
+    if (kv_tiles == 1) {  // every warp is done with K_j: V_j takes its tile
+      __syncthreads();
+      load_v(0, n_start);
+      cp_async_commit();
     }
 
     if (softcap) {
@@ -313,6 +325,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
       }
     }
 
+    if (kv_tiles != 4) {
+      cp_async_wait<0>();  // V_j has landed (this thread's copies)...
+      __syncthreads();     // ...and everyone's; 2 tiles: every warp is done with K_j, whose tile takes K_j+1
+      if (kv_tiles == 2 && next) load_k(0, n_start + kBlockN);
+      cp_async_commit();
+    }
+
     // O += P · V_j
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -334,6 +353,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
           mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
         }
       }
+    }
+    if (kv_tiles == 1 && next) {  // every warp is done with V_j: K_j+1 takes the tile
+      __syncthreads();
+      load_k(0, n_start + kBlockN);
+      cp_async_commit();
     }
   }
   // Only matters when the block sees no key: the loop never waited, and other warps' copies into sQ, which the
@@ -387,11 +411,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
   using Traits = FwdTraits<HeadDim>;
+  static_assert(sizeof(T) == 2, "fwd_smem_bytes counts 2-byte elements");
   auto kernel = flash_fwd_kernel<T, Traits, kCausal, kOptions, kSequences>;
-  constexpr int kSmemBytes = Traits::template smem_bytes<T>();
-  if constexpr (kSmemBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) return err;
+  const int kv_tiles = params.plan.kv_tiles;
+  if (kv_tiles != 4 && kv_tiles != 2 && kv_tiles != 1) return cudaErrorInvalidValue;
+  const int smem_bytes = fwd_smem_bytes(HeadDim, kv_tiles);
+  if (smem_bytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
+      return err;
+    }
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t blocks = !kSequences || params.cu_seqlens_q == nullptr
@@ -399,7 +429,7 @@ cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
                              : static_cast<int64_t>(packed_slots(params.len_q, params.batch, Traits::kBlockM)) *
                                    params.heads;
   const dim3 grid(static_cast<unsigned>(blocks));
-  kernel<<<grid, Traits::kNThreads, kSmemBytes, stream>>>(params);
+  kernel<<<grid, Traits::kNThreads, smem_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 
