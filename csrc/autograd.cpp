@@ -174,7 +174,7 @@ const auto& fwd_kvcache_op() {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("flashattn::fwd_kvcache", "").typed<FwdResult(
       const at::Tensor&, at::Tensor&, at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, std::optional<double>, at::IntArrayRef,
-      double, const std::optional<at::Tensor>&, int64_t)>();
+      double, const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&)>();
   return op;
 }
 
@@ -185,14 +185,14 @@ FwdResult fwd_kvcache_autograd(const at::Tensor& q, at::Tensor& k_cache, at::Ten
                                const std::optional<at::Tensor>& cache_seqlens,
                                const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale,
                                at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks,
-                               int64_t num_splits) {
+                               int64_t num_splits, const std::optional<at::Tensor>& cache_leftpad) {
   TORCH_CHECK(!torch::autograd::compute_requires_grad(q, k_cache, v_cache, k.value_or(at::Tensor()),
                                                        v.value_or(at::Tensor()), sinks.value_or(at::Tensor())),
               "flashattn.fwd_kvcache is forward only: call it under torch.no_grad() or on tensors that do not "
               "require grad");
   at::AutoDispatchBelowAutograd below_autograd;  // on to the version counters (below)
   return fwd_kvcache_op().call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_size,
-                               softcap, sinks, num_splits);
+                               softcap, sinks, num_splits, cache_leftpad);
 }
 
 // Caches the op writes (k and v given) get their version counters bumped, as an in-place op's, under inference mode
@@ -203,12 +203,12 @@ FwdResult fwd_kvcache_versions(const at::Tensor& q, at::Tensor& k_cache, at::Ten
                                const std::optional<at::Tensor>& cache_seqlens,
                                const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale,
                                at::IntArrayRef window_size, double softcap, const std::optional<at::Tensor>& sinks,
-                               int64_t num_splits) {
+                               int64_t num_splits, const std::optional<at::Tensor>& cache_leftpad) {
   FwdResult result;
   {
     at::AutoDispatchBelowADInplaceOrView below;
     result = fwd_kvcache_op().call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_size,
-                                   softcap, sinks, num_splits);
+                                   softcap, sinks, num_splits, cache_leftpad);
   }
   if (k.has_value()) {
     torch::autograd::impl::bump_version(k_cache);

@@ -153,6 +153,7 @@ def flash_attn_with_kvcache(
     sinks: Optional[Tensor] = None,
     num_splits: int = 0,
     return_lse: bool = False,
+    cache_leftpad: Optional[Tensor] = None,
 ):
     """Attention of a few new queries against a KV cache (decoding), forward only.
 
@@ -169,15 +170,18 @@ def flash_attn_with_kvcache(
         num_splits: on CUDA with Lq <= 16, the number of key splits (0: chosen from the shape and the GPU's SM
             count, never from the batch size or the lengths, so results are batch-invariant); ignored otherwise.
         return_lse: also return lse (float32, (B, H, Lq)).
+        cache_leftpad: int32 (B,), a dense cache only: entry b's keys start at ``cache_leftpad[b]`` (a left-padded
+            batch, as batched generation pads prompts; default 0). Its keys are then ``cache_leftpad[b] ..
+            cache_seqlens[b] + Lnew``, bottom-right causal among them; the rows before are never read.
 
-    On CUDA the lengths and the block table are read on the device only (no host synchronisation; a captured CUDA graph
-    replays with new lengths), so their values are not checked there: out-of-range ones give wrong rows (new rows
-    past the cache are not written; pages are clamped into it), never an access outside the tensors; the CPU checks
-    them. Returns out (B, H, Lq, D), or (out, lse).
+    On CUDA the lengths, left paddings and the block table are read on the device only (no host synchronisation; a
+    captured CUDA graph replays with new lengths), so their values are not checked there: out-of-range ones give
+    wrong rows (new rows past the cache are not written; pages are clamped into it), never an access outside the
+    tensors; the CPU checks them. Returns out (B, H, Lq, D), or (out, lse).
     """
     out, lse = torch.ops.flashattn.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, list(window_size), softcap, sinks,
-        num_splits,
+        num_splits, cache_leftpad,
     )
     return (out, lse) if return_lse else out
 
@@ -238,7 +242,7 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 
 @torch.library.register_fake("flashattn::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
-                      scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, num_splits=0):
+                      scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, num_splits=0, cache_leftpad=None):
     torch._check(q.dim() == 4, lambda: "flashattn.fwd_kvcache: q must be 4-D")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)

@@ -9,7 +9,8 @@ for a change to one of them: racecheck over every case takes about 150 s of devi
 each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn. --varlen runs
 packed sequences instead (VARLEN_CASES, each plain and with every option set), and cu_seqlens whose values break
 the rules (they must give wrong rows, never an access outside the tensors). --kvcache runs the decode path
-(KVCACHE_CASES) over dense and paged caches, with new keys appended, and a block table with pages out of range.
+(KVCACHE_CASES) over dense and paged caches, with new keys appended, left padding, and a block table with pages
+out of range.
 """
 import argparse
 import os
@@ -133,6 +134,12 @@ def run_kvcache():
             flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
                                                  block_table=table, **mods)
             calls += 1
+            if table is None:  # left padding: none, inside the entry, past its end (clamped)
+                share = torch.arange(batch, device="cuda") * 3 / (2 * max(1, batch - 1))
+                leftpad = (lengths * share).to(torch.int32)
+                flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                     cache_leftpad=leftpad, **mods)
+                calls += 1
             if table is not None:  # pages out of range: wrong rows, never an access outside the cache
                 bad = table.clone()
                 bad[:, ::2] = 10**6

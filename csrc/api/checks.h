@@ -141,8 +141,8 @@ inline ScoreMods check_score_mods(const at::Tensor& q, const AttentionShape& s, 
   TORCH_CHECK(window_size[0] >= -1 && window_size[1] >= -1, op,
               ": window_size entries must be >= 0, or -1 for unbounded; got (", window_size[0], ", ", window_size[1],
               ")");
-  // The kernels hold softcap in float32 and take softcap * log2(e) as the capped scores' scale: a positive cap must be a
-  // normal float32 (a smaller one would round to 0, which means off) within the scale's bound.
+  // The kernels hold softcap in float32 and take softcap * log2(e) as the capped scores' scale: a positive cap must be
+  // a normal float32 (a smaller one would round to 0, which means off) within the scale's bound.
   TORCH_CHECK(softcap == 0.0 || (softcap >= std::numeric_limits<float>::min() && softcap <= kMaxScale), op,
               ": softcap must be 0 (off) or a positive float32 from ", std::numeric_limits<float>::min(), " to ",
               kMaxScale, " (softcap * log2(e) must fit in float32), got ", softcap);
@@ -213,6 +213,7 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
                                          const std::optional<at::Tensor>& cache_seqlens,
                                          const std::optional<at::Tensor>& block_table, int64_t num_splits,
+                                         const std::optional<at::Tensor>& cache_leftpad,
                                          const char* op = "flashattn.fwd_kvcache") {
   TORCH_CHECK(num_splits >= 0, op, ": num_splits must be >= 0 (0: chosen from the shape), got ", num_splits);
   TORCH_CHECK(q.dim() == 4, op, ": q must have 4 dimensions (B, H, Lq, D), got ", q.dim());
@@ -270,6 +271,14 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
                 ": cache_seqlens must be int32 of shape (B,) = (", s.batch, ",), got ", c.scalar_type(), " ",
                 c.sizes());
     TORCH_CHECK(c.device() == q.device(), op, ": cache_seqlens must be on q's device");
+  }
+  if (cache_leftpad.has_value()) {
+    const at::Tensor& c = *cache_leftpad;
+    TORCH_CHECK(!s.paged, op, ": cache_leftpad takes a dense cache, not a paged one (block_table)");
+    TORCH_CHECK(c.scalar_type() == at::kInt && c.dim() == 1 && c.size(0) == s.batch, op,
+                ": cache_leftpad must be int32 of shape (B,) = (", s.batch, ",), got ", c.scalar_type(), " ",
+                c.sizes());
+    TORCH_CHECK(c.device() == q.device(), op, ": cache_leftpad must be on q's device");
   }
   for (const auto& [name, t] : {std::pair{"q", &q}, std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache},
                                 std::pair{"k", k.has_value() ? &*k : nullptr},

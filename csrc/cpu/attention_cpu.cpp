@@ -677,8 +677,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
 // ==== KV cache ======================================================================================================
 //
 // Per batch entry: the new keys and values are written into the cache at its valid length, then the dense kernel runs
-// over the entry's valid keys: a view of a dense cache, or the entry's pages gathered in order from a paged one.
-// Nothing past a valid length is read.
+// over the entry's valid keys: a view of a dense cache (from its left padding), or the entry's pages gathered in order
+// from a paged one. Nothing past a valid length (or before the left padding's end) is read.
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                                    const std::optional<at::Tensor>& k,
@@ -687,9 +687,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
                                                    const std::optional<at::Tensor>& block_table, bool causal,
                                                    std::optional<double> scale, at::IntArrayRef window_size,
                                                    double softcap, const std::optional<at::Tensor>& sinks,
-                                                   int64_t num_splits) {
+                                                   int64_t num_splits, const std::optional<at::Tensor>& cache_leftpad) {
   constexpr const char* op = "flashattn.fwd_kvcache";
-  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, op);
+  const KvCacheShape ks =
+      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, cache_leftpad, op);
   check_cpu_dtype(q.scalar_type(), op);
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
   // Checked before anything is written to the caches (as on CUDA); normalised below for each entry's keys.
@@ -697,11 +698,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
                    window_size, softcap, sinks, op);
   const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();
   const at::Tensor pages = ks.paged ? block_table->contiguous() : at::Tensor();
-  std::vector<int64_t> valid(ks.batch);
+  const at::Tensor leftpad = cache_leftpad.has_value() ? cache_leftpad->contiguous() : at::Tensor();
+  std::vector<int64_t> valid(ks.batch), first(ks.batch, 0);
   for (int64_t b = 0; b < ks.batch; ++b) {
     valid[b] = lengths.defined() ? lengths.data_ptr<int32_t>()[b] : ks.capacity - ks.len_new;
     TORCH_CHECK(valid[b] >= 0 && valid[b] + ks.len_new <= ks.capacity, op, ": cache_seqlens[", b,
                 "] + Lnew must lie in [0, ", ks.capacity, "] (the cache's length), got ", valid[b], " + ", ks.len_new);
+    if (leftpad.defined()) first[b] = leftpad.data_ptr<int32_t>()[b];
+    TORCH_CHECK(first[b] >= 0 && first[b] <= valid[b] + ks.len_new, op, ": cache_leftpad[", b, "] must lie in [0, ",
+                valid[b] + ks.len_new, "] (the entry's keys end there), got ", first[b]);
     if (ks.paged) {
       const int32_t* row = pages.data_ptr<int32_t>() + b * pages.size(1);
       for (int64_t i = 0; i * ks.page_size < valid[b] + ks.len_new; ++i) {
@@ -723,10 +728,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
       k_cache.select(0, where).select(1, offset).copy_(k->select(0, b).select(1, t));
       v_cache.select(0, where).select(1, offset).copy_(v->select(0, b).select(1, t));
     }
-    const int64_t len_k = valid[b] + ks.len_new;
+    const int64_t end_k = valid[b] + ks.len_new;
+    const int64_t len_k = end_k - first[b];
     at::Tensor keys, values;
     if (ks.paged) {  // the entry's pages in order, as (1, Hk, len_k, D)
-      const int64_t used = (len_k + ks.page_size - 1) / ks.page_size;
+      const int64_t used = (end_k + ks.page_size - 1) / ks.page_size;
       const at::Tensor entry_pages = pages.select(0, b).narrow(0, 0, used).to(at::kLong);
       const auto gather = [&](const at::Tensor& cache) {
         const at::Tensor rows = cache.index_select(0, entry_pages).transpose(0, 1);  // (Hk, used, page_size, D)
@@ -735,8 +741,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
       keys = gather(k_cache);
       values = gather(v_cache);
     } else {
-      keys = k_cache.narrow(0, b, 1).narrow(2, 0, len_k);
-      values = v_cache.narrow(0, b, 1).narrow(2, 0, len_k);
+      keys = k_cache.narrow(0, b, 1).narrow(2, first[b], len_k);
+      values = v_cache.narrow(0, b, 1).narrow(2, first[b], len_k);
     }
     const AttentionShape s{1, ks.heads, ks.heads_kv, ks.len_q, len_k, ks.head_dim};
     const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);

@@ -221,8 +221,8 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
 #endif
           // The portable options variant carries the whole band in its window (kCausal false); its sequences variant
           // also packed sequences and KV caches.
-          const bool sequences =
-              params.cu_seqlens_q != nullptr || params.seqlens_k != nullptr || params.block_table != nullptr;
+          const bool sequences = params.cu_seqlens_q != nullptr || params.seqlens_k != nullptr ||
+                                 params.leftpad_k != nullptr || params.block_table != nullptr;
           if constexpr (kOptions) {
             if (sequences) {
               err = sm80::run_fwd_sm80<T, kBucket, false, true, true>(params, stream);
@@ -789,9 +789,11 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
                                                     const std::optional<at::Tensor>& block_table, bool causal,
                                                     std::optional<double> scale, at::IntArrayRef window_size,
                                                     double softcap, const std::optional<at::Tensor>& sinks,
-                                                    int64_t num_splits) {
+                                                    int64_t num_splits,
+                                                    const std::optional<at::Tensor>& cache_leftpad) {
   constexpr const char* op = "flashattn.fwd_kvcache";
-  const KvCacheShape ks = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, op);
+  const KvCacheShape ks =
+      check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits, cache_leftpad, op);
   const AttentionShape s{ks.batch, ks.heads, ks.heads_kv, ks.len_q, ks.capacity, ks.head_dim};
   check_cuda_inputs(op, q, k_cache, v_cache, s, "k_cache", "v_cache");
   const double softmax_scale = resolve_scale(scale, ks.head_dim, op);
@@ -801,6 +803,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor lengths = cache_seqlens.has_value() ? cache_seqlens->contiguous() : at::Tensor();
+  const at::Tensor leftpad = cache_leftpad.has_value() ? cache_leftpad->contiguous() : at::Tensor();
   // The block table's rows at any stride (a column slice of a larger table is read in place), its entries contiguous.
   at::Tensor pages;
   if (ks.paged) {
@@ -821,6 +824,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
   p.seqlens_k = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
+  p.leftpad_k = leftpad.defined() ? leftpad.data_ptr<int>() : nullptr;
   p.len_new = static_cast<int>(ks.len_new);
   if (ks.paged) {
     p.block_table = pages.data_ptr<int>();

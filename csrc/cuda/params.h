@@ -86,6 +86,9 @@ struct FwdParams {
   // block_table_stride), or null: a paged cache, whose k/v batch strides are then the page strides (num_pages pages of
   // page_size rows).
   const int* __restrict__ seqlens_k;
+  // leftpad_k, int32 (batch,), or null: a dense cache's entry b starts at row leftpad_k[b] (left padding), its keys
+  // [leftpad_k[b], its length).
+  const int* __restrict__ leftpad_k;
   int len_new;
   const int* __restrict__ block_table;
   int64_t block_table_stride;
@@ -111,6 +114,13 @@ __device__ inline int entry_len_k(const FwdParams& p, int batch) {
   if (p.seqlens_k == nullptr) return p.len_k;
   const int64_t keys = static_cast<int64_t>(__ldg(p.seqlens_k + batch)) + p.len_new;
   return static_cast<int>(keys < 0 ? 0 : keys > p.len_k ? p.len_k : keys);
+}
+// The cache row where batch entry `batch`'s keys start: its left padding (clamped to [0, end_k], the entry's
+// entry_len_k), or 0.
+__device__ inline int entry_first_key(const FwdParams& p, int batch, int end_k) {
+  if (p.leftpad_k == nullptr) return 0;
+  const int first = __ldg(p.leftpad_k + batch);
+  return first < 0 ? 0 : first > end_k ? end_k : first;
 }
 #endif
 

@@ -29,8 +29,8 @@ struct Switches {
   bool decode = true;            // FLASHATTN_DECODE=0: short queries run the forward kernels, not the decode path
   FwdScheduleChoice fwd_schedule = FwdScheduleChoice::kAuto;
   DecodeSplits decode_splits = DecodeSplits::kAuto;
-  // FLASHATTN_SM80_KV_TILES, for tests on GPUs with more shared memory: the portable forward from D128 with at most this
-  // many K/V tiles (4, 2 or 1; 0, default: as many as the device allows), the pipelines of smaller GPUs.
+  // FLASHATTN_SM80_KV_TILES, for tests on GPUs with more shared memory: the portable forward from D128 with at most
+  // this many K/V tiles (4, 2 or 1; 0, default: as many as the device allows), the pipelines of smaller GPUs.
   int sm80_kv_tiles = 0;
   // FLASHATTN_BWD_CTAS, for tests: the persistent Hopper backward's grid (0, default: the SM count); a small grid makes
   // every CTA run many key blocks.

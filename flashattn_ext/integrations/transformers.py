@@ -13,7 +13,8 @@ register() adds :func:`attention_forward` to transformers' ``AttentionInterface`
 function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles:
 no mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are
 cut to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
-back; a static cache's keys cut to the mask's width, as transformers' own FlashAttention path does); packed batches
+back; a static cache's keys cut to the mask's width, as transformers' own FlashAttention path does; a left-padded batch
+decoding over a KV cache, without gradients, reads the cache in place from each row's first real key); packed batches
 (``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or, for a batch of one row, ``position_ids``
 where a sequence starts wherever a position is not the one before plus 1: read on the host, one synchronisation per
 layer); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32 inputs run
@@ -73,16 +74,16 @@ _KEPT_READINGS = 4  # a forward's masks: full and sliding-window layers have one
 
 
 def _read_once(source: Tensor, args: tuple, read):
-    """read(source, *args), kept for the next calls with the same tensor, unchanged, and args: the layers of one forward
-    pass the same mask or position ids, so their values go to the host once per forward, not once per layer (not
-    under torch.compile, which traces each call)."""
+    """read(source, *args), kept for the next calls with the same tensor, unchanged, read and args: the layers of one
+    forward pass the same mask or position ids, so their values go to the host once per forward, not once per layer
+    (not under torch.compile, which traces each call)."""
     if torch.compiler.is_compiling():
         return read(source, *args)
-    for ref, version, last_args, value in _readings:
-        if ref() is source and version == source._version and last_args == args:
+    for ref, version, last_read, last_args, value in _readings:
+        if ref() is source and version == source._version and last_read is read and last_args == args:
             return value
     value = read(source, *args)
-    _readings.insert(0, (weakref.ref(source), source._version, args, value))
+    _readings.insert(0, (weakref.ref(source), source._version, read, args, value))
     del _readings[_KEPT_READINGS:]
     return value
 
@@ -98,6 +99,10 @@ def _packed_by_positions(position_ids: Tensor, length: int) -> Optional[Tensor]:
     return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([length])]).to(torch.int32)
 
 
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _packed_backward_takes(q: Tensor) -> bool:
     """Whether the CUDA packed backward takes q's head dim: up to 128 everywhere, above on Hopper's kernel only (not
     switched off by FLASHATTN_BWD_SM90=0)."""
@@ -109,8 +114,7 @@ def _packed_backward_takes(q: Tensor) -> bool:
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:
     """flash_attn_varlen on (total, H, D) tensors, or one dense call per sequence (lengths read on the host) where a
     CUDA backward would need what the packed one lacks."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.device.type != "cuda" or not needs_grad or _packed_backward_takes(q):
+    if q.device.type != "cuda" or not _needs_grad(q, k, v) or _packed_backward_takes(q):
         return flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
     out = torch.empty_like(q)
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
@@ -180,7 +184,7 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
             # position tells (the dense op would see them). Read on the device, or on the host for a backward.
             last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1]
             valid = (last + 1).clamp(max=len_k).to(torch.int32).expand(batch).contiguous()
-            if not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+            if not _needs_grad(query, key, value):
                 return flash_attn_with_kvcache(query, key, value, cache_seqlens=valid, **options).transpose(1, 2)
             len_k = int(valid.max())
             key, value = key[:, :, :len_k], value[:, :, :len_k]
@@ -194,6 +198,11 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
     if attention_mask.shape[1] < len_k:  # a static cache: the slots past the mask's width are not written yet
         len_k = attention_mask.shape[1]
         key, value = key[:, :, :len_k], value[:, :, :len_k]
+    if len_k > len_q and not _needs_grad(query, key, value):
+        # A KV cache of left-padded sequences (batched generation): read in place from each entry's first real key.
+        leftpad = _read_once(attention_mask, (len_q, len_k), _left_padding)
+        if leftpad is not None:
+            return flash_attn_with_kvcache(query, key, value, cache_leftpad=leftpad, **options).transpose(1, 2)
     (rows_q, index_q, cu_q), (rows_k, _, cu_k) = _read_once(attention_mask, (len_q, len_k), _unpadding)
     # The real rows only, gathered straight from the (B, H, S, D) views: one copy of them, not of the whole cache.
     q = query.transpose(1, 2)[rows_q]
@@ -201,6 +210,18 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
     packed = _packed_call(q, k, v, cu_q, cu_k, None, None, **options)
     out = packed.new_zeros(batch * len_q, heads, head_dim).index_copy(0, index_q, packed)
     return out.view(batch, len_q, heads, head_dim)
+
+
+def _left_padding(attention_mask: Tensor, len_q: int, len_k: int) -> Optional[Tensor]:
+    """Where each row of the key mask (its last len_k positions) is padding, then real keys only, the queries (the last
+    len_q positions) among them: the padding's length per row (int32, on the mask's device); else None. Reads the mask
+    on the host (one synchronisation)."""
+    mask_k = attention_mask[:, -len_k:].bool()
+    real = mask_k.sum(1)
+    first = len_k - real
+    positions = torch.arange(len_k, device=mask_k.device)
+    left_padded = (mask_k == (positions[None, :] >= first[:, None])).all() & (real >= len_q).all()
+    return first.to(torch.int32) if bool(left_padded) else None
 
 
 def _unpadding(attention_mask: Tensor, len_q: int, len_k: int):

@@ -131,6 +131,24 @@ def test_greedy_generation_matches_eager(name):
     assert torch.equal(got, ref)
 
 
+def test_left_padded_generation_reads_the_cache_in_place(monkeypatch):
+    # Batched generation pads the prompts on the left: each decoding step attends over the cache in place from each
+    # row's first real key (cache_leftpad); only the prompt's pass gathers the real rows.
+    leftpads, gathered = [], []
+    kvcache, unpadding = fa_hf.flash_attn_with_kvcache, fa_hf._unpadding
+    monkeypatch.setattr(fa_hf, "flash_attn_with_kvcache",
+                        lambda *a, **kw: leftpads.append(kw.get("cache_leftpad")) or kvcache(*a, **kw))
+    monkeypatch.setattr(fa_hf, "_unpadding", lambda *a: gathered.append(a[1:]) or unpadding(*a))
+    model = model_pair("llama")
+    model.set_attn_implementation(fa_hf.NAME)
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    layers = CONFIGS["llama"].num_hidden_layers
+    assert len(leftpads) == 3 * layers and all(pad.tolist() == [0, 6, 15] for pad in leftpads)
+    assert gathered == [(21, 21)]
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("name", [name for name in ("llama", "mistral", "gemma2") if name in CONFIGS])
 def test_static_cache_generation_matches_eager(name, padded):

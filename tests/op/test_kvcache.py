@@ -44,13 +44,16 @@ def paged_from_dense(k_cache, v_cache, page_size, seed=0):
     return k_pages, v_pages, block_table
 
 
-def expected(q, k_cache, v_cache, k, v, lengths, **kwargs):
-    """Per entry: the dense op over the valid keys after the append (computed on copies)."""
+def expected(q, k_cache, v_cache, k, v, lengths, first=None, **kwargs):
+    """Per entry: the dense op over the valid keys after the append (computed on copies), from `first` (left
+    padding)."""
     outs, lses = [], []
     for b, n in enumerate(lengths):
         keys, values = k_cache[b : b + 1, :, :n], v_cache[b : b + 1, :, :n]
         if k is not None:
             keys, values = torch.cat([keys, k[b : b + 1]], 2), torch.cat([values, v[b : b + 1]], 2)
+        if first is not None:
+            keys, values = keys[:, :, first[b] :], values[:, :, first[b] :]
         out, lse = flashattn_ext.flash_attn_with_lse(q[b : b + 1], keys, values, **kwargs)
         outs.append(out)
         lses.append(lse)
@@ -93,6 +96,37 @@ def test_dense_cache(dtype, len_q, len_new, mods):
         for b, n in enumerate(lengths):
             assert torch.equal(k_cache[b, :, n : n + len_new], k[b])
             assert torch.equal(v_cache[b, :, n : n + len_new], v[b])
+
+
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("len_new", [0, 2])
+@pytest.mark.parametrize("len_q", [1, 4])
+def test_left_padding(len_q, len_new, mods):
+    # Entry b's keys start at cache_leftpad[b] (NaN before: never read): none at all, 2 of 40 (the last two, with the
+    # appended ones), some, and the whole cache of a full entry.
+    lengths, first = [5, 40, LMAX - len_new], [5 + len_new, 38, 0]
+    k_cache, v_cache = dense_cache(lengths=lengths)
+    for cache in (k_cache, v_cache):
+        for b, start in enumerate(first):
+            cache[b, :, :start] = float("nan")
+    q = torch.randn(B, H, len_q, D)
+    k = torch.randn(B, HK, len_new, D) if len_new else None
+    v = torch.randn(B, HK, len_new, D) if len_new else None
+    kwargs = mods_for(mods)
+    want_out, want_lse = expected(q, k_cache.clone(), v_cache.clone(), k, v, lengths, first, **kwargs)
+    seqlens, leftpad = torch.tensor(lengths, dtype=torch.int32), torch.tensor(first, dtype=torch.int32)
+    out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
+                                                     cache_leftpad=leftpad, **kwargs)
+    assert torch.isfinite(out).all(), "no key before the left padding's end may reach the output"
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_left_padding_out_of_range():
+    k_cache, v_cache = dense_cache()
+    with pytest.raises(RuntimeError, match=r"cache_leftpad\[1\] must lie in \[0, 8\]"):
+        fwd_kvcache(torch.randn(B, H, 1, D), k_cache, v_cache, torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D),
+                    torch.tensor([0, 7, 9], dtype=torch.int32),
+                    cache_leftpad=torch.tensor([0, 9, 0], dtype=torch.int32))
 
 
 def assert_paged_matches_dense(q, caches, pages, block_table, k, v, seqlens, page_size, **kwargs):
@@ -210,6 +244,9 @@ def test_opcheck():
     q, k, v = torch.randn(B, H, 2, D), torch.randn(B, HK, 1, D), torch.randn(B, HK, 1, D)
     seqlens = torch.tensor([1, 2, 3], dtype=torch.int32)
     torch.library.opcheck(fwd_kvcache.default, (q, k_cache, v_cache, k, v, seqlens), dict(causal=True))
+    leftpad = torch.tensor([0, 1, 3], dtype=torch.int32)
+    torch.library.opcheck(fwd_kvcache.default, (q, k_cache, v_cache, k, v, seqlens),
+                          dict(causal=True, cache_leftpad=leftpad))
 
 
 @pytest.mark.parametrize(
@@ -230,9 +267,14 @@ def test_opcheck():
         (dict(softcap=-1.0), "softcap must be 0"),
         (dict(window_size=[-2, 0]), "window_size entries must be >= 0"),
         (dict(sinks=torch.zeros(H + 1)), r"sinks must have shape \(H,\)"),
+        (dict(cache_leftpad=torch.zeros(B, dtype=torch.int64)), r"cache_leftpad must be int32 of shape \(B,\)"),
+        (dict(k_cache=torch.randn(B * 6, HK, 16, D), v_cache=torch.randn(B * 6, HK, 16, D),
+              block_table=torch.arange(B * 6, dtype=torch.int32).view(B, 6),
+              cache_leftpad=torch.zeros(B, dtype=torch.int32)), "cache_leftpad takes a dense cache"),
     ],
     ids=["seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages", "negative-splits",
-         "empty-pages", "lnew-over-capacity", "cache-stride", "softcap", "window", "sinks"],
+         "empty-pages", "lnew-over-capacity", "cache-stride", "softcap", "window", "sinks", "leftpad-dtype",
+         "leftpad-paged"],
 )
 def test_bad_arguments(device, change, message):
     """Every rule is checked before anything is written: the caches are as they were."""
@@ -333,6 +375,31 @@ def test_cuda_dense_cache(len_q, len_new, mods):
             assert torch.equal(k_cache[b, :, n : n + len_new], k[b])
             assert torch.equal(v_cache[b, :, n : n + len_new], v[b])
         keys, values = k_cache[b : b + 1, :, : n + len_new], v_cache[b : b + 1, :, : n + len_new]
+        assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, **kwargs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mods", list(MODS))
+@pytest.mark.parametrize("len_new", [0, 1])
+@pytest.mark.parametrize("len_q", [1, 20])  # 20: past the decode path, the sm80 forward
+def test_cuda_left_padding(len_q, len_new, mods):
+    # Entry b's keys start at cache_leftpad[b] (NaN before: never read): none at all, the last 30 of 300, all.
+    lengths, first = [7, 300, CUDA_LMAX - len_new], [7 + len_new, 270 + len_new, 0]
+    k_cache, v_cache = cuda_caches(lengths)
+    for cache in (k_cache, v_cache):
+        for b, start in enumerate(first):
+            cache[b, :, :start] = float("nan")
+    q = torch.randn(B, H, len_q, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") if len_new else None
+    v = torch.randn_like(k) if len_new else None
+    kwargs = cuda_mods(mods)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    leftpad = torch.tensor(first, dtype=torch.int32, device="cuda")
+    out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
+                                                     cache_leftpad=leftpad, **kwargs)
+    assert torch.isfinite(out).all(), "no key before the left padding's end may reach the output"
+    for b, (n, start) in enumerate(zip(lengths, first)):
+        keys, values = k_cache[b : b + 1, :, start : n + len_new], v_cache[b : b + 1, :, start : n + len_new]
         assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, **kwargs)
 
 

@@ -85,9 +85,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   const int batch = blockIdx.x / split_ctas * gridDim.z + blockIdx.z;
   if (batch >= p.batch) return;  // past the batch in its last chunk
 
-  // This entry's keys, and those some query of it can see: [n_lo, n_hi). The band is the params' (causal folded in
-  // as right = 0); its bounds for the queries 0 .. Lq - 1 of every head.
-  const int len_k = entry_len_k(p, batch);
+  // This entry's keys, from its left padding (first_key, a dense cache's), and those some query of it can see:
+  // [n_lo, n_hi). The band is the params' (causal folded in as right = 0); its bounds for the queries 0 .. Lq - 1 of
+  // every head.
+  const int end_k = entry_len_k(p, batch);
+  const int first_key = kPaged ? 0 : entry_first_key(p, batch, end_k);
+  const int len_k = end_k - first_key;
+  const int64_t first_row = len_k > 0 ? first_key : 0;  // the rows' base stays inside the cache
   const int shift = len_k - p.len_q;
   const int left = p.window_left, right = p.window_right;
   const int n_lo = left < 0 ? 0 : min(len_k, max(0, shift - left));
@@ -118,9 +122,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   }
   // A paged cache's batch stride is its page stride: its rows are found through the block table.
   const T* const k_base = static_cast<const T*>(p.k) + (kPaged ? 0 : batch * p.k_batch_stride) +
-                          kv_head * p.k_head_stride;
+                          kv_head * p.k_head_stride + first_row * p.k_row_stride;
   const T* const v_base = static_cast<const T*>(p.v) + (kPaged ? 0 : batch * p.v_batch_stride) +
-                          kv_head * p.v_head_stride;
+                          kv_head * p.v_head_stride + first_row * p.v_row_stride;
   // This thread copies one 16-byte column chunk of kKvSteps rows of each block, kRowsPerStep apart. Paged: their pages
   // are read from the block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows,
   // never an access outside it), so that no copy waits for the table. Where every block lies in one page (pages of a

@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
   // longest query blocks (the last ones) first so that the short ones fill the tail of the grid. The sequences
   // variant (kSequences; the others carry none of it) also takes packed sequences: the slots of every sequence
   // (packed.h) fastest, then heads, the sequence's rows starting at row_q / row_k; and a KV cache: each batch entry's
-  // valid keys (FwdParams::seqlens_k), in pages (FwdParams::block_table) or not.
+  // valid keys (FwdParams::seqlens_k), from its left padding (leftpad_k: row_k), in pages (block_table) or not.
   const bool packed = kSequences && p.cu_seqlens_q != nullptr;
   const bool paged = kSequences && p.block_table != nullptr;
   int m_block, head, batch, seq_len_q = p.len_q, seq_len_k = p.len_k, row_q = 0, row_k = 0;
@@ -97,7 +97,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     m_block = kCausal ? num_m_blocks - 1 - m_index : m_index;
     head = (blockIdx.x / num_m_blocks) % p.heads;
     batch = blockIdx.x / num_m_blocks / p.heads;
-    if (kSequences && p.seqlens_k != nullptr) seq_len_k = entry_len_k(p, batch);
+    if (kSequences && (p.seqlens_k != nullptr || p.leftpad_k != nullptr)) {
+      const int end_k = entry_len_k(p, batch);
+      const int first_key = entry_first_key(p, batch, end_k);
+      seq_len_k = end_k - first_key;
+      row_k = seq_len_k > 0 ? first_key : 0;  // the rows' base stays inside the cache
+    }
   } else {
     const int num_slots = packed_slots(p.len_q, p.batch, kBlockM);
     const int index = blockIdx.x % num_slots;
