@@ -1,5 +1,9 @@
 """Forward and backward calls for the schedule tests, run in a process of their own where a switch must differ
 (isolated.py)."""
+import json
+import os
+import tempfile
+
 import torch
 
 import flashattn_ext
@@ -31,5 +35,18 @@ def backward_each(cases):
 
 
 def calls_each(cases):
-    """cases: [(name of a flashattn_ext function, args, kwargs)] -> [its result]."""
-    return [getattr(flashattn_ext, name)(*args, **kwargs) for name, args, kwargs in cases]
+    """cases: [(name of a flashattn_ext function, args, kwargs)] -> ([its result], {kernel name: the shared memory its
+    launches had, as the profiler reports it})."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        results = [getattr(flashattn_ext, name)(*args, **kwargs) for name, args, kwargs in cases]
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f)["traceEvents"]
+    shared = {}
+    for event in events:
+        if event.get("cat") == "kernel" and "shared memory" in event.get("args", {}):
+            shared.setdefault(event["name"], set()).add(event["args"]["shared memory"])
+    return results, shared

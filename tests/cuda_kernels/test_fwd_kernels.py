@@ -406,7 +406,7 @@ def test_cuda_portable_forward_with_fewer_kv_tiles():
     runs = {tiles: run_isolated(dict(env, FLASHATTN_SM80_KV_TILES=str(tiles)), "cuda_kernels.schedule_runs",
                                 "calls_each", cases) for tiles in (4, 2, 1)}
     for i, (name, args, kwargs) in enumerate(cases):
-        out, lse = runs[4][i]
+        out, lse = runs[4][0][i]
         if name == "flash_attn_with_lse":
             assert_attention_close(out, lse, *args, kwargs.get("causal", False), None,
                                    kwargs.get("window_size", (-1, -1)), kwargs.get("softcap", 0.0),
@@ -414,7 +414,12 @@ def test_cuda_portable_forward_with_fewer_kv_tiles():
         else:
             assert out.isfinite().all()
         for tiles in (2, 1):
-            assert torch.equal(runs[tiles][i][0], out) and torch.equal(runs[tiles][i][1], lse), (name, tiles)
+            assert torch.equal(runs[tiles][0][i][0], out) and torch.equal(runs[tiles][0][i][1], lse), (name, tiles)
+    # The switch took: each forward kernel had less shared memory with each setting than with the one before.
+    kernels = [name for name in runs[4][1] if "flash_fwd_kernel" in name]
+    assert kernels
+    for name in kernels:
+        assert min(runs[4][1][name]) > max(runs[2][1][name]) and min(runs[2][1][name]) > max(runs[1][1][name]), name
 
 
 @pytest.mark.cuda
