@@ -157,8 +157,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
 
   // Prologue: {Q, K0, and with 4 tiles V0} in flight. Each iteration then waits for block j, and one barrier both
   // publishes it and proves every warp is done with block j - 1, whose stage (4 tiles) receives block j + 1 at once.
-  // One barrier per block lets warps drift apart, so one warp's softmax runs under another's MMAs. Fewer tiles take
-  // a second barrier (V_j landed, every warp done with K_j) and, with 1, a third (every warp done with V_j).
+  // One barrier per block lets warps drift apart, so one warp's softmax runs under another's MMAs. Two tiles take a
+  // second (V_j landed, every warp done with K_j); one tile three more (done with K_j; V_j landed; done with V_j).
   load_tile_async<T, Traits, kBlockM>(sQ, q_base, p.q_row_stride, m_start, len_q(), p.head_dim);
   if (num_n_blocks > first_n_block) {
     load_k(0, first_n_block * kBlockN);
