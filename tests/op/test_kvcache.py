@@ -465,6 +465,31 @@ def test_cuda_graph_replays_new_lengths():
 
 
 @pytest.mark.cuda
+def test_cuda_graph_replays_new_left_paddings():
+    # Left paddings live on the device only too: a captured step replays with new cache_leftpad values.
+    k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
+    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.tensor([100, 300, 512], dtype=torch.int32, device="cuda")
+    leftpad = torch.zeros(B, dtype=torch.int32, device="cuda")
+
+    def step():
+        return flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                     cache_leftpad=leftpad)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for pads in ([0, 0, 0], [99, 1, 511], [100, 150, 0]):
+        leftpad.copy_(torch.tensor(pads, dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
+@pytest.mark.cuda
 def test_cuda_graph_replays_a_paged_append():
     # A decoding step (a token appended to a paged cache, then attention) captured once replays with new lengths
     # (entries of length 0 too) and new tokens: the eager step's output and pages, bit for bit, on copies of the pages.
