@@ -1,8 +1,10 @@
 """Build flashattn_ext._C: the op schemas, the CPU kernels and (when nvcc is present) the CUDA kernels.
 
 Environment variables (all optional):
-  FLASHATTN_BUILD_CUDA   "0" builds the CPU backend only; default: build CUDA whenever nvcc is found.
-  FLASHATTN_CUDA_ARCHS   e.g. "80;90a". Default: the visible GPU's arch ("90a" on Hopper), else "80;90a".
+  FLASHATTN_BUILD_CUDA   "0" builds the CPU backend only, "1" CUDA too; default: CUDA where torch has it and nvcc
+                         is found (a CPU-only build says so).
+  FLASHATTN_CUDA_ARCHS   e.g. "80;90a" (80 and newer). Default: the visible GPU's arch ("90a" on Hopper), else
+                         "80;90a".
                          The sm_80 cubin also runs on sm_86/sm_89; sm_90a is Hopper's own target.
   FLASHATTN_HEADDIMS     head-dim buckets to compile, e.g. "64,128" for a quick build. Default: all of
                          32,64,96,128,160,192,224,256. A head dim whose bucket is not built raises an error.
@@ -12,6 +14,8 @@ Environment variables (all optional):
 import json
 import os
 import re
+import sys
+from importlib import metadata
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -30,12 +34,18 @@ def read_version():
 def cuda_archs():
     env = os.environ.get("FLASHATTN_CUDA_ARCHS")
     if env:
-        return [a.strip() for a in env.replace(",", ";").split(";") if a.strip()]
+        archs = [a.strip() for a in env.replace(",", ";").split(";") if a.strip()]
+        bad = [a for a in archs if not re.fullmatch(r"\d{2,3}a?", a) or int(a.rstrip("a")) < 80]
+        if bad or not archs:
+            raise SystemExit(f"FLASHATTN_CUDA_ARCHS: {bad or env!r} are not archs of sm_80 or newer, written as 80, "
+                             "86, 90a ...")
+        return archs
     import torch
 
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        return ["90a"] if (major, minor) == (9, 0) else [f"{major}{minor}"]
+        if major >= 8:
+            return ["90a"] if (major, minor) == (9, 0) else [f"{major}{minor}"]
     return ["80", "90a"]
 
 
@@ -43,20 +53,38 @@ def headdims():
     env = os.environ.get("FLASHATTN_HEADDIMS")
     if not env:
         return list(ALL_HEADDIMS)
-    dims = sorted({int(d) for d in env.replace(";", ",").split(",") if d.strip()})
+    try:
+        dims = sorted({int(d) for d in env.replace(";", ",").split(",") if d.strip()})
+    except ValueError:
+        raise SystemExit(f"FLASHATTN_HEADDIMS: {env!r} is not a list of buckets such as 64,128") from None
     bad = [d for d in dims if d not in ALL_HEADDIMS]
-    if bad:
-        raise SystemExit(f"FLASHATTN_HEADDIMS: {bad} are not buckets; choose from {ALL_HEADDIMS}")
+    if bad or not dims:
+        raise SystemExit(f"FLASHATTN_HEADDIMS: {bad or env!r} are not buckets; choose from {ALL_HEADDIMS}")
     return dims
 
 
 def build_cuda():
+    """Whether the CUDA kernels are built: FLASHATTN_BUILD_CUDA decides; else where torch has CUDA and nvcc is found."""
+    import torch
     from torch.utils.cpp_extension import CUDA_HOME
 
-    flag = os.environ.get("FLASHATTN_BUILD_CUDA")
-    if flag is not None:
-        return flag != "0"
-    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
+    flag = os.environ.get("FLASHATTN_BUILD_CUDA", "").strip()
+    if flag not in ("", "0", "1"):
+        raise SystemExit(f"FLASHATTN_BUILD_CUDA must be 0 or 1, got {flag!r}")
+    if flag == "0":
+        return False
+    if torch.version.cuda is None:
+        if flag == "1":
+            raise SystemExit(f"FLASHATTN_BUILD_CUDA=1, but this torch ({torch.__version__}) is built without CUDA")
+        why = f"torch {torch.__version__} is built without CUDA"
+    elif CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        if flag == "1":
+            return True  # torch's extension build reports the missing toolkit
+        why = "no nvcc found (set CUDA_HOME)"
+    else:
+        return True
+    print(f"flashattn_ext: building the CPU backend only ({why}); CUDA tensors will raise", file=sys.stderr)
+    return False
 
 
 def make_extension():
@@ -132,6 +160,8 @@ def main():
         version=read_version(),
         packages=find_packages(include=["flashattn_ext", "flashattn_ext.*"]),
         ext_modules=[make_extension()],
+        # The binary loads only with the torch it is built against.
+        install_requires=[f"torch=={metadata.version('torch')}"],
         cmdclass={"build_ext": BuildExtension},
         options={"bdist_wheel": {"py_limited_api": "cp310"}},
     )

@@ -7,7 +7,14 @@ __version__ = "0.1.0"
 
 import torch  # noqa: F401  (first: the extension links against libtorch/libc10, which torch loads)
 
-from . import _C  # noqa: F401,E402  (loads the library: runs TORCH_LIBRARY / TORCH_LIBRARY_IMPL registrations)
+try:
+    from . import _C  # noqa: F401,E402  (loads the library: runs TORCH_LIBRARY / TORCH_LIBRARY_IMPL registrations)
+except ImportError as error:  # not built here, or built against another torch
+    raise ImportError(
+        f"flashattn_ext: the compiled extension (flashattn_ext._C) did not load: {error}. It must be built against the "
+        f"torch it runs with (this is torch {torch.__version__}): pip install --no-build-isolation -e . in the "
+        "checkout (an installed copy is shadowed by the checkout's sources when Python starts there)."
+    ) from error
 from .ops import (  # noqa: E402
     flash_attn,
     flash_attn_varlen,
