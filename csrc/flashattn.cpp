@@ -4,6 +4,9 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <vector>
+
 extern "C" {
 // `import flashattn_ext._C` only needs to load this shared library: loading it runs the registrations below.
 // No pybind11: the dispatcher is the whole interface.
@@ -13,7 +16,23 @@ PyObject* PyInit__C(void) {
 }
 }
 
+namespace {
+
+// The head-dim buckets (multiples of 32: a head dim D runs in ceil(D / 32) * 32) whose CUDA kernels this build holds
+// (setup.py passes FLASHATTN_BUILT_HEADDIMS to CUDA builds only); none for a CPU-only build.
+std::vector<int64_t> cuda_head_dims() {
+#ifdef FLASHATTN_BUILT_HEADDIMS
+  return {FLASHATTN_BUILT_HEADDIMS};
+#else
+  return {};
+#endif
+}
+
+}  // namespace
+
 TORCH_LIBRARY(flashattn, m) {
+  // What this build's CUDA kernels take (for callers that must know before a call, such as the SDPA provider).
+  m.def("cuda_head_dims() -> int[]", &cuda_head_dims);
   // q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) with H % Hk == 0. Returns out (q's shape and dtype) and
   // lse (float32, (B, H, Lq), natural-log logsumexp of the scaled scores). causal is bottom-right aligned.
   // window_size (left, right): query i sees key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded

@@ -135,6 +135,7 @@ inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device,
       }
       [[fallthrough]];
     }
+    case sm90::TileOrder::kSequences:  // not asked for here (packed calls: plan_fwd_sequences)
     case sm90::TileOrder::kStride: {
       // The consumers that compute in a head's last tile (all of them but where a consumer without rows skips).
       const int64_t last_tile_rows = p.len_q - (num_m_blocks - 1) * plan.block_m;

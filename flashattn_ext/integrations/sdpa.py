@@ -15,12 +15,14 @@ PyTorch's kernel.
 Semantics are the flash backend's: ``is_causal`` aligned bottom-right where Lq != Lk (FlashAttention's rule; SDPA
 routes causal calls with Lq != Lk elsewhere), GQA where kv has fewer heads, windows as (left, right) with -1
 unbounded. What our kernels lack goes to PyTorch's flash kernel, taken from the dispatcher at activation: dropout, the
-debug mask, ALiBi slopes, ``seqused_k``, dtypes other than fp16/bf16, head dims that are not multiples of 8 up to 256,
-rows that are not 16-byte aligned, and packed backwards past D128. :data:`calls`
+debug mask, ALiBi slopes, ``seqused_k``, dtypes other than fp16/bf16, head dims that are not multiples of 8 up to 256
+(or whose bucket the build left out), rows that are not 16-byte aligned, and packed backwards past D128. A build
+without CUDA kernels does not register the provider. :data:`calls`
 counts, per op, the calls each side ran.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import Counter
 from typing import Optional
@@ -79,10 +81,17 @@ def _install() -> _Handle:
     return _Handle(library)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_head_dims() -> frozenset:
+    """The head-dim buckets this build's CUDA kernels hold (none in a CPU-only build)."""
+    return frozenset(torch.ops.flashattn.cuda_head_dims())
+
+
 def register() -> bool:
-    """Register the provider with torch (done on import); False where this torch has no provider hook."""
+    """Register the provider with torch (done on import); False where this torch has no provider hook or this build
+    has no CUDA kernels."""
     hook = getattr(torch.nn.attention, "register_flash_attention_impl", None)
-    if hook is None:
+    if hook is None or not _cuda_head_dims():
         return False
     hook(NAME, register_fn=_install)
     return True
@@ -96,7 +105,8 @@ def _tensors_unsupported(*tensors: torch.Tensor) -> Optional[str]:
     if query.dtype not in (torch.float16, torch.bfloat16):
         return "dtype"
     head_dim = query.shape[-1]
-    if head_dim % 8 != 0 or head_dim > 256 or tensors[1].shape[-1] != head_dim or tensors[2].shape[-1] != head_dim:
+    bucket = -(-head_dim // 32) * 32  # the kernels' head-dim bucket
+    if head_dim % 8 != 0 or bucket not in _cuda_head_dims() or any(t.shape[-1] != head_dim for t in tensors[1:3]):
         return "head dim"
     for t in tensors:
         if t.data_ptr() % 16 != 0 or t.stride(-1) != 1 or any(

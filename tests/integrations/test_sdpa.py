@@ -36,10 +36,20 @@ def ours_ran(op="_scaled_dot_product_flash_attention"):
 
 
 def test_registered_not_active():
-    assert sdpa.NAME in attention.list_flash_attention_impls()
+    # Registered where the build has CUDA kernels (a CPU-only build has nothing to offer the flash backend).
+    assert (sdpa.NAME in attention.list_flash_attention_impls()) == bool(torch.ops.flashattn.cuda_head_dims())
     assert attention.current_flash_attention_impl() != sdpa.NAME
 
 
+def test_head_dims_of_buckets_left_out_fall_back(monkeypatch):
+    # A build of some buckets only (FLASHATTN_HEADDIMS): other head dims are PyTorch's, not an error of ours.
+    monkeypatch.setattr(sdpa, "_cuda_head_dims", lambda: frozenset({64, 128}))
+    for head_dim, reason in ((64, None), (40, None), (120, None), (96, "head dim"), (256, "head dim")):
+        q = torch.empty(1, 2, 8, head_dim, dtype=torch.bfloat16)
+        assert sdpa._tensors_unsupported(q, q, q) == reason, head_dim
+
+
+@pytest.mark.skipif(not torch.ops.flashattn.cuda_head_dims(), reason="a CPU-only build registers no provider")
 def test_activation_is_harmless_on_cpu():
     q, k, v = make_qkv(1, 2, 2, 9, 9, 16, torch.float32, "cpu")
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
