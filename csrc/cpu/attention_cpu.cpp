@@ -63,6 +63,39 @@ RowMatrix<T> head_slice(const at::Tensor& t, int64_t b, int64_t h) {
   return {static_cast<T*>(t.data_ptr()) + b * t.stride(0) + h * t.stride(1), t.stride(2)};
 }
 
+// The rows of one kv head of a paged cache (num_pages, Hk, page_size, D), read in place: row r lives in page
+// table[r / page_size], at row r % page_size of it.
+template <typename T>
+struct PagedRows {
+  T* ptr;  // the kv head's first row in page 0
+  int64_t page_stride, row_stride, page_size;
+  const int32_t* table;  // the entry's pages in order
+  T* row(int64_t r) const { return ptr + table[r / page_size] * page_stride + r % page_size * row_stride; }
+};
+
+// Where the forward reads the keys and values of kv head h_kv of batch entry b: (B, Hk, Lk, D) tensors...
+template <typename scalar_t>
+struct DenseKv {
+  at::Tensor k, v;
+  std::pair<RowMatrix<const scalar_t>, RowMatrix<const scalar_t>> operator()(int64_t b, int64_t h_kv) const {
+    return {head_slice<const scalar_t>(k, b, h_kv), head_slice<const scalar_t>(v, b, h_kv)};
+  }
+};
+
+// ...or a paged cache's pages, entry `entry`'s (the forward runs one entry at a time: b is 0).
+template <typename scalar_t>
+struct PagedKv {
+  at::Tensor k_cache, v_cache;
+  const int32_t* table;
+  std::pair<PagedRows<const scalar_t>, PagedRows<const scalar_t>> operator()(int64_t /*b*/, int64_t h_kv) const {
+    const auto rows = [&](const at::Tensor& cache) {
+      return PagedRows<const scalar_t>{static_cast<const scalar_t*>(cache.data_ptr()) + h_kv * cache.stride(1),
+                                       cache.stride(0), cache.stride(2), cache.size(2), table};
+    };
+    return {rows(k_cache), rows(v_cache)};
+  }
+};
+
 // The keys query row i sees, [key_begin(i), key_end(i)) (empty when key_begin >= key_end), and the rows that see a
 // key range: the band of ScoreMods (causal is right = 0). Both bounds are non-decreasing in i.
 struct Band {
@@ -91,22 +124,21 @@ void cap_scores(acc_t* scores, int64_t rows, int64_t cols, double softcap) {
   }
 }
 
-// tile[r][x] = mul * src.row(begin + r)[x] for `rows` rows: a (rows, D) opmath tile.
-template <typename scalar_t, typename acc_t>
-void load_rows(const RowMatrix<const scalar_t>& src, int64_t begin, int64_t rows, int64_t d, acc_t* tile,
-               acc_t mul = acc_t(1)) {
+// tile[r][x] = mul * src.row(begin + r)[x] for `rows` rows (RowMatrix or PagedRows): a (rows, D) opmath tile.
+template <typename Rows, typename acc_t>
+void load_rows(const Rows& src, int64_t begin, int64_t rows, int64_t d, acc_t* tile, acc_t mul = acc_t(1)) {
   for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* row = src.row(begin + r);
+    const auto* row = src.row(begin + r);
     for (int64_t x = 0; x < d; ++x) tile[r * d + x] = static_cast<acc_t>(row[x]) * mul;
   }
 }
 
 // tile[x][c] = src.row(begin + c)[x] for `cols` rows: a (D, kBlockN) transposed opmath tile, the right-hand side of
 // block_scores.
-template <typename scalar_t, typename acc_t>
-void load_rows_transposed(const RowMatrix<const scalar_t>& src, int64_t begin, int64_t cols, int64_t d, acc_t* tile) {
+template <typename Rows, typename acc_t>
+void load_rows_transposed(const Rows& src, int64_t begin, int64_t cols, int64_t d, acc_t* tile) {
   for (int64_t c = 0; c < cols; ++c) {
-    const scalar_t* row = src.row(begin + c);
+    const auto* row = src.row(begin + c);
     for (int64_t x = 0; x < d; ++x) tile[x * kBlockN + c] = static_cast<acc_t>(row[x]);
   }
 }
@@ -176,19 +208,16 @@ void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, 
   }
 }
 
-// Computes rows [q_begin, q_end) of one (batch, head): out = softmax(scale * q k^T) v, lse = m + log(l), with the
-// band, softcap and the head's sink (`sink`: -inf without sinks) applied.
-template <typename scalar_t>
-void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                        at::Tensor& lse, const AttentionShape& s, int64_t b, int64_t h, int64_t q_begin, int64_t q_end,
+// Computes rows [q_begin, q_end) of one (batch, head) over its kv head's rows k_mat, v_mat: out = softmax(scale *
+// q k^T) v, lse = m + log(l), with the band, softcap and the head's sink (`sink`: -inf without sinks) applied.
+template <typename scalar_t, typename Rows>
+void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_mat, at::Tensor& out, at::Tensor& lse,
+                        const AttentionShape& s, int64_t b, int64_t h, int64_t q_begin, int64_t q_end,
                         const Band& band, double softcap, float sink, double scale,
                         FwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t d = s.head_dim;
   const int64_t rows = q_end - q_begin;
-  const int64_t h_kv = h / (s.heads / s.heads_kv);
-  const auto k_mat = head_slice<const scalar_t>(k, b, h_kv);
-  const auto v_mat = head_slice<const scalar_t>(v, b, h_kv);
 
   load_rows(head_slice<const scalar_t>(q, b, h), q_begin, rows, d, tmp.q.data(), static_cast<acc_t>(scale));
   std::fill(tmp.acc.begin(), tmp.acc.begin() + rows * d, acc_t(0));
@@ -242,9 +271,10 @@ void attend_query_block(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
 }
 
-template <typename scalar_t>
-void fwd_cpu_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                    const AttentionShape& s, const ScoreMods& mods, double scale) {
+// `kv(b, h_kv)`: the rows of kv head h_kv of entry b (DenseKv, PagedKv).
+template <typename scalar_t, typename Kv>
+void fwd_cpu_kernel(const at::Tensor& q, const Kv& kv, at::Tensor& out, at::Tensor& lse, const AttentionShape& s,
+                    const ScoreMods& mods, double scale) {
   const Band band(s, mods);
   const at::Tensor sinks = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   const float* sink_of = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
@@ -260,8 +290,9 @@ void fwd_cpu_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t q_end = std::min(s.len_q, q_begin + kBlockM);
       const int64_t h = bh % s.heads;
       const float sink = sink_of ? sink_of[h] : -std::numeric_limits<float>::infinity();
-      attend_query_block<scalar_t>(q, k, v, out, lse, s, bh / s.heads, h, q_begin, q_end, band, mods.softcap, sink,
-                                   scale, tmp);
+      const auto [k_mat, v_mat] = kv(bh / s.heads, h / (s.heads / s.heads_kv));
+      attend_query_block<scalar_t>(q, k_mat, v_mat, out, lse, s, bh / s.heads, h, q_begin, q_end, band, mods.softcap,
+                                   sink, scale, tmp);
     }
   });
 }
@@ -279,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   if (s.empty()) return {out, lse};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_cpu", [&] {
-    fwd_cpu_kernel<scalar_t>(q, k, v, out, lse, s, mods, softmax_scale);
+    fwd_cpu_kernel<scalar_t>(q, DenseKv<scalar_t>{k, v}, out, lse, s, mods, softmax_scale);
   });
   return {out, lse};
 }
@@ -630,8 +661,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cpu(const at::Tensor& q, const at:
     at::Tensor out_b = sequence_view(out, row_q, s.len_q);
     at::Tensor lse_b = sequence_lse(lse, row_q, s.len_q);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_varlen_cpu", [&] {
-      fwd_cpu_kernel<scalar_t>(sequence_view(q, row_q, s.len_q), sequence_view(k, row_k, s.len_k),
-                               sequence_view(v, row_k, s.len_k), out_b, lse_b, s, mods, softmax_scale);
+      fwd_cpu_kernel<scalar_t>(sequence_view(q, row_q, s.len_q),
+                               DenseKv<scalar_t>{sequence_view(k, row_k, s.len_k), sequence_view(v, row_k, s.len_k)},
+                               out_b, lse_b, s, mods, softmax_scale);
     });
   });
   return {out, lse};
@@ -677,8 +709,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
 // ==== KV cache ======================================================================================================
 //
 // Per batch entry: the new keys and values are written into the cache at its valid length, then the dense kernel runs
-// over the entry's valid keys: a view of a dense cache (from its left padding), or the entry's pages gathered in order
-// from a paged one. Nothing past a valid length (or before the left padding's end) is read.
+// over the entry's valid keys: a view of a dense cache (from its left padding), or a paged one's rows read in place
+// through the entry's block table row. Nothing past a valid length (or before the left padding's end) is read.
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                                    const std::optional<at::Tensor>& k,
@@ -730,27 +762,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
     }
     const int64_t end_k = valid[b] + ks.len_new;
     const int64_t len_k = end_k - first[b];
-    at::Tensor keys, values;
-    if (ks.paged) {  // the entry's pages in order, as (1, Hk, len_k, D)
-      const int64_t used = (end_k + ks.page_size - 1) / ks.page_size;
-      const at::Tensor entry_pages = pages.select(0, b).narrow(0, 0, used).to(at::kLong);
-      const auto gather = [&](const at::Tensor& cache) {
-        const at::Tensor rows = cache.index_select(0, entry_pages).transpose(0, 1);  // (Hk, used, page_size, D)
-        return rows.reshape({ks.heads_kv, used * ks.page_size, ks.head_dim}).narrow(1, 0, len_k).unsqueeze(0);
-      };
-      keys = gather(k_cache);
-      values = gather(v_cache);
-    } else {
-      keys = k_cache.narrow(0, b, 1).narrow(2, first[b], len_k);
-      values = v_cache.narrow(0, b, 1).narrow(2, first[b], len_k);
-    }
     const AttentionShape s{1, ks.heads, ks.heads_kv, ks.len_q, len_k, ks.head_dim};
     const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
     if (s.empty()) continue;
     at::Tensor out_b = out.narrow(0, b, 1);
     at::Tensor lse_b = lse.narrow(0, b, 1);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_kvcache_cpu", [&] {
-      fwd_cpu_kernel<scalar_t>(q.narrow(0, b, 1), keys, values, out_b, lse_b, s, mods, softmax_scale);
+      if (ks.paged) {  // the entry's pages, read in place through its block table row
+        const PagedKv<scalar_t> kv{k_cache, v_cache, pages.data_ptr<int32_t>() + b * pages.size(1)};
+        fwd_cpu_kernel<scalar_t>(q.narrow(0, b, 1), kv, out_b, lse_b, s, mods, softmax_scale);
+      } else {
+        const DenseKv<scalar_t> kv{k_cache.narrow(0, b, 1).narrow(2, first[b], len_k),
+                                   v_cache.narrow(0, b, 1).narrow(2, first[b], len_k)};
+        fwd_cpu_kernel<scalar_t>(q.narrow(0, b, 1), kv, out_b, lse_b, s, mods, softmax_scale);
+      }
     });
   }
   return {out, lse};
