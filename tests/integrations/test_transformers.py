@@ -1,6 +1,7 @@
 """The Hugging Face integration (flashattn_ext.integrations.transformers) with tiny random models: logits on real
 tokens of padded batches match the model's own eager path, a packed batch matches the padded one, greedy generation
 gives the same tokens. Skipped without transformers."""
+import inspect
 import os
 
 import pytest
@@ -256,11 +257,13 @@ def decode_logits(model, ids, mask, steps):
     """Logits of the prompt's last position and of `steps` decoding steps fed fixed tokens, over the model's cache."""
     torch.manual_seed(4)
     tokens = torch.randint(0, 128, (ids.shape[0], steps), device=ids.device)
+    # transformers renamed the cache argument (past_key_values -> cache); the output keeps past_key_values.
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(ids, attention_mask=mask, use_cache=True)
     logits, cache = [out.logits[:, -1]], out.past_key_values
     for t in range(steps):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-        out = model(tokens[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(tokens[:, t : t + 1], attention_mask=mask, use_cache=True, **{cache_argument: cache})
         logits.append(out.logits[:, -1])
         cache = out.past_key_values
     return torch.stack(logits, 1).float()
