@@ -118,13 +118,17 @@ void set_shape_and_scale(Params& p, const AttentionShape& s, double scale) {
 }
 
 // The score modifications as the kernels take them (params.h), after the scale (set_shape_and_scale); `sinks` must
-// outlive the launch. The kernels divide the scale by the cap in float32 (denormals flushed): a cap for which that is
-// below the normal range could change only scores beyond ~1e34 (tanh(x) = x to float32 for |x| < 2^-12), so it is off.
+// outlive the launch. The kernels form scale / softcap by fast-math division (0 for divisors past 2^126) and flush
+// denormal products: a cap above kMaxBindingCap, or one whose scale / softcap is below float32's normal range, is off.
+// Such a cap changes no score below ~softcap * 2^-12 (tanh(x) = x to float32 there): it could bind only on scores far
+// past any real one, and the raw scores are what it gives.
+inline constexpr double kMaxBindingCap = 1e30;
 template <typename Params>
 void set_score_mods(Params& p, const ScoreMods& mods) {
   p.window_left = static_cast<int>(std::min<int64_t>(mods.left, std::numeric_limits<int>::max()));
   p.window_right = static_cast<int>(std::min<int64_t>(mods.right, std::numeric_limits<int>::max()));
-  const bool cap_binds = mods.softcap > 0.0 && std::abs(p.scale) / mods.softcap >= std::numeric_limits<float>::min();
+  const bool cap_binds = mods.softcap > 0.0 && mods.softcap <= kMaxBindingCap &&
+                         std::abs(p.scale) / mods.softcap >= std::numeric_limits<float>::min();
   p.softcap = cap_binds ? static_cast<float>(mods.softcap) : 0.f;
 }
 

@@ -70,7 +70,7 @@ def _cu_seqlens(lengths: Tensor) -> Tensor:
 
 
 _readings: list = []  # the last few readings of masks or position ids on the host (see _read_once)
-_KEPT_READINGS = 4  # a forward's masks: full and sliding-window layers have one each
+_KEPT_READINGS = 8  # a forward's masks (full and sliding-window layers have one each), up to two readings of each
 
 
 def _read_once(source: Tensor, args: tuple, read):
@@ -99,8 +99,11 @@ def _packed_by_positions(position_ids: Tensor, length: int) -> Optional[Tensor]:
     return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([length])]).to(torch.int32)
 
 
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_DECODE_MAX_LEN_Q = 16  # the longest query of the CUDA decode path (shorter ones read a KV cache through it)
 
 
 def _packed_backward_takes(q: Tensor) -> bool:
@@ -184,7 +187,7 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
             # position tells (the dense op would see them). Read on the device, or on the host for a backward.
             last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1]
             valid = (last + 1).clamp(max=len_k).to(torch.int32).expand(batch).contiguous()
-            if not _needs_grad(query, key, value):
+            if not _needs_grad(query, key, value, options["sinks"]):
                 return flash_attn_with_kvcache(query, key, value, cache_seqlens=valid, **options).transpose(1, 2)
             len_k = int(valid.max())
             key, value = key[:, :, :len_k], value[:, :, :len_k]
@@ -198,8 +201,9 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
     if attention_mask.shape[1] < len_k:  # a static cache: the slots past the mask's width are not written yet
         len_k = attention_mask.shape[1]
         key, value = key[:, :, :len_k], value[:, :, :len_k]
-    if len_k > len_q and not _needs_grad(query, key, value):
-        # A KV cache of left-padded sequences (batched generation): read in place from each entry's first real key.
+    if len_k > len_q and len_q <= _DECODE_MAX_LEN_Q and not _needs_grad(query, key, value, options["sinks"]):
+        # Decoding over a KV cache of left-padded sequences (batched generation): read in place from each entry's
+        # first real key.
         leftpad = _read_once(attention_mask, (len_q, len_k), _left_padding)
         if leftpad is not None:
             return flash_attn_with_kvcache(query, key, value, cache_leftpad=leftpad, **options).transpose(1, 2)

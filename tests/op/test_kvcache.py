@@ -474,19 +474,23 @@ def test_cuda_graph_replays_new_left_paddings():
 
     def step():
         return flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
-                                                     cache_leftpad=leftpad)
+                                                     cache_leftpad=leftpad, return_lse=True)
 
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         step()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = step()
+            out, lse = step()
     torch.cuda.current_stream().wait_stream(stream)
     for pads in ([0, 0, 0], [99, 1, 511], [100, 150, 0]):
         leftpad.copy_(torch.tensor(pads, dtype=torch.int32))
         graph.replay()
-        assert torch.equal(out, step())
+        want = step()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        for b, (n, start) in enumerate(zip(seqlens.tolist(), pads)):
+            keys, values = k_cache[b : b + 1, :, start:n], v_cache[b : b + 1, :, start:n]
+            assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, causal=True)
 
 
 @pytest.mark.cuda

@@ -159,15 +159,19 @@ def test_softcap_rows_far_below_the_cap(device, dtype, head_dim, softcap):
     run_fwd(q.to(dtype), k.to(dtype), v.to(dtype), False, scale, (-1, -1), softcap)
 
 
-@pytest.mark.parametrize("softcap", [1e37, 2e38], ids=["cap1e37", "cap2e38"])
+@pytest.mark.parametrize("softcap,scale", [(1e31, 0.125), (1e38, 2.0), (2e38, 0.125), (1e20, 1e-19)],
+                         ids=["cap1e31", "cap1e38", "cap2e38", "ratio-denormal"])
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
-def test_softcap_too_large_to_bind(device, dtype, softcap):
-    # scale / softcap below float32's normal range (flushed to 0 on CUDA) and softcap * log2(e) near float32's largest:
-    # the cap binds on no score here, and the softmax is the uncapped one (was uniform, or NaN, on CUDA).
+def test_softcap_too_large_to_bind(device, dtype, softcap, scale):
+    # Caps past 1e30 (CUDA's fast division gives scale / softcap = 0 past 2^126; its denormal products flush), near
+    # float32's largest (softcap * log2(e)), or whose scale / softcap is denormal: none binds on a real score, and
+    # the softmax is the uncapped one (was uniform, or NaN, on CUDA).
     q, k, v = make_qkv(1, 2, 2, 65, 97, 64, dtype, device)
-    out, _ = run_fwd(q, k, v, False, 0.125, (-1, -1), softcap)
-    assert torch.allclose(out.float(), fwd(q, k, v, False, 0.125)[0].float(), atol=2e-2)
-    run_grads(q, k, v, False, 0.125, (-1, -1), softcap)
+    q = q * (0.125 / scale) ** 0.5  # scores of the same size at every scale
+    k = k * (0.125 / scale) ** 0.5
+    out, _ = run_fwd(q, k, v, False, scale, (-1, -1), softcap)
+    assert torch.allclose(out.float(), fwd(q, k, v, False, scale)[0].float(), atol=2e-2)
+    run_grads(q, k, v, False, scale, (-1, -1), softcap)
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
