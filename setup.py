@@ -153,7 +153,11 @@ def make_extension():
 
 
 def main():
-    from torch.utils.cpp_extension import BuildExtension
+    try:
+        from torch.utils.cpp_extension import BuildExtension
+    except ImportError:
+        raise SystemExit("flashattn_ext builds against the torch it will run with, which must be importable here: "
+                         "pip install --no-build-isolation ...") from None
 
     setup(
         name="flashattn_ext",
