@@ -208,18 +208,25 @@ void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, 
   }
 }
 
-// Computes rows [q_begin, q_end) of one (batch, head) over its kv head's rows k_mat, v_mat: out = softmax(scale *
-// q k^T) v, lse = m + log(l), with the band, softcap and the head's sink (`sink`: -inf without sinks) applied.
+// Computes queries [q_begin, q_end) of heads h_first .. h_first + heads - 1 of batch entry b (query heads of one kv
+// head, whose rows k_mat, v_mat they read; at most kBlockM rows in all, head by head) : out = softmax(scale * q k^T)
+// v, lse = m + log(l), with the band, softcap and each head's sink (sink_of: null without sinks) applied.
 template <typename scalar_t, typename Rows>
 void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_mat, at::Tensor& out, at::Tensor& lse,
-                        const AttentionShape& s, int64_t b, int64_t h, int64_t q_begin, int64_t q_end,
-                        const Band& band, double softcap, float sink, double scale,
+                        const AttentionShape& s, int64_t b, int64_t h_first, int64_t heads, int64_t q_begin,
+                        int64_t q_end, const Band& band, double softcap, const float* sink_of, double scale,
                         FwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t d = s.head_dim;
-  const int64_t rows = q_end - q_begin;
+  const int64_t queries = q_end - q_begin;
+  const int64_t rows = heads * queries;
+  // Row r of the block: query query_of(r) of head h_first + r / queries.
+  const auto query_of = [&](int64_t r) { return q_begin + r % queries; };
 
-  load_rows(head_slice<const scalar_t>(q, b, h), q_begin, rows, d, tmp.q.data(), static_cast<acc_t>(scale));
+  for (int64_t g = 0; g < heads; ++g) {
+    load_rows(head_slice<const scalar_t>(q, b, h_first + g), q_begin, queries, d, tmp.q.data() + g * queries * d,
+              static_cast<acc_t>(scale));
+  }
   std::fill(tmp.acc.begin(), tmp.acc.begin() + rows * d, acc_t(0));
   std::fill(tmp.m.begin(), tmp.m.end(), -std::numeric_limits<acc_t>::infinity());
   std::fill(tmp.l.begin(), tmp.l.end(), acc_t(0));
@@ -235,8 +242,8 @@ void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_ma
     cap_scores(tmp.p.data(), rows, cols, softcap);
     for (int64_t r = 0; r < rows; ++r) {
       // The row's visible keys in this block: columns [first, last).
-      const int64_t first = std::max<int64_t>(0, band.key_begin(q_begin + r) - k_begin);
-      const int64_t last = std::min(cols, band.key_end(q_begin + r) - k_begin);
+      const int64_t first = std::max<int64_t>(0, band.key_begin(query_of(r)) - k_begin);
+      const int64_t last = std::min(cols, band.key_end(query_of(r)) - k_begin);
       if (last <= first) continue;
       online_softmax_row(tmp.p.data() + r * kBlockN + first, tmp.v.data() + first * d, tmp.acc.data() + r * d,
                          tmp.m[r], tmp.l[r], last - first, d);
@@ -245,8 +252,9 @@ void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_ma
 
   // The sink joins the denominator: l grows by exp(sink - m) against the row's base m, which moves to the sink where
   // that is larger (or the row saw no key).
-  if (sink != -std::numeric_limits<float>::infinity()) {
-    for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows && sink_of != nullptr; ++r) {
+    const float sink = sink_of[h_first + r / queries];
+    if (sink != -std::numeric_limits<float>::infinity()) {
       const acc_t m_new = std::max(tmp.m[r], static_cast<acc_t>(sink));
       const acc_t rescale = tmp.l[r] != 0 ? std::exp(tmp.m[r] - m_new) : acc_t(0);
       tmp.l[r] = tmp.l[r] * rescale + std::exp(static_cast<acc_t>(sink) - m_new);
@@ -258,15 +266,14 @@ void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_ma
   // Normalise. A row that saw no key (and has no sink) has l == 0: it returns zeros and lse = -inf. A NaN score or a
   // +inf one (inf - inf) make l NaN, and a row whose visible scores are all -inf (no sink) gets l NaN here: NaN out and
   // lse, as softmax gives.
-  const auto out_mat = head_slice<scalar_t>(out, b, h);
-  float* lse_row = lse.data_ptr<float>() + b * lse.stride(0) + h * lse.stride(1);
   for (int64_t r = 0; r < rows; ++r) {
-    const bool sees_keys = band.key_begin(q_begin + r) < band.key_end(q_begin + r);
+    const int64_t h = h_first + r / queries, i = query_of(r);
+    const bool sees_keys = band.key_begin(i) < band.key_end(i);
     const acc_t l = tmp.l[r] == 0 && sees_keys ? std::numeric_limits<acc_t>::quiet_NaN() : tmp.l[r];
     const acc_t inv_l = l != 0 ? acc_t(1) / l : acc_t(0);
-    scalar_t* dst = out_mat.row(q_begin + r);
+    scalar_t* dst = head_slice<scalar_t>(out, b, h).row(i);
     for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(tmp.acc[r * d + x] * inv_l);
-    lse_row[q_begin + r] =
+    lse.data_ptr<float>()[b * lse.stride(0) + h * lse.stride(1) + i] =
         l != 0 ? static_cast<float>(tmp.m[r] + std::log(l)) : -std::numeric_limits<float>::infinity();
   }
 }
@@ -278,21 +285,26 @@ void fwd_cpu_kernel(const at::Tensor& q, const Kv& kv, at::Tensor& out, at::Tens
   const Band band(s, mods);
   const at::Tensor sinks = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
   const float* sink_of = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
-  const int64_t q_blocks = (s.len_q + kBlockM - 1) / kBlockM;
-  const int64_t work_items = s.batch * s.heads * q_blocks;
+  // Short queries with GQA (decoding): a work item takes every query head of a kv head, so that each block of its keys
+  // and values is converted once for all of them. A row's arithmetic is the same either way (the same bits).
+  const int64_t group = s.heads_kv > 0 ? s.heads / s.heads_kv : 1;
+  const bool pack = group > 1 && s.len_q * group <= kBlockM;
+  const int64_t heads_per_item = pack ? group : 1;
+  const int64_t q_block_rows = pack ? s.len_q : kBlockM;
+  const int64_t q_blocks = (s.len_q + q_block_rows - 1) / q_block_rows;
+  const int64_t head_items = s.heads / heads_per_item;
+  const int64_t work_items = s.batch * head_items * q_blocks;
   // grain 1: a work item already costs kBlockM * Lk * D multiply-adds (or is a decode row of a long cache).
   at::parallel_for(0, work_items, 1, [&](int64_t begin, int64_t end) {
     FwdScratch<at::opmath_type<scalar_t>> tmp(s.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t q_block = item % q_blocks;
-      const int64_t bh = item / q_blocks;
-      const int64_t q_begin = q_block * kBlockM;
-      const int64_t q_end = std::min(s.len_q, q_begin + kBlockM);
-      const int64_t h = bh % s.heads;
-      const float sink = sink_of ? sink_of[h] : -std::numeric_limits<float>::infinity();
-      const auto [k_mat, v_mat] = kv(bh / s.heads, h / (s.heads / s.heads_kv));
-      attend_query_block<scalar_t>(q, k_mat, v_mat, out, lse, s, bh / s.heads, h, q_begin, q_end, band, mods.softcap,
-                                   sink, scale, tmp);
+      const int64_t q_begin = item % q_blocks * q_block_rows;
+      const int64_t q_end = std::min(s.len_q, q_begin + q_block_rows);
+      const int64_t b = item / q_blocks / head_items;
+      const int64_t h_first = item / q_blocks % head_items * heads_per_item;
+      const auto [k_mat, v_mat] = kv(b, h_first / group);
+      attend_query_block<scalar_t>(q, k_mat, v_mat, out, lse, s, b, h_first, heads_per_item, q_begin, q_end, band,
+                                   mods.softcap, sink_of, scale, tmp);
     }
   });
 }

@@ -56,6 +56,20 @@ def test_gqa_head_mapping(device, dtype):
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("len_q", [1, 3, 8])
+def test_cpu_gqa_decode_same_bits_as_each_head_alone(len_q):
+    # The CPU forward runs short GQA queries with every query head of a kv head in one work item (the keys converted
+    # once for all): each head's rows have the bits of that head run alone. Window and sinks: per row, per head.
+    q = torch.randn(2, 8, len_q, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 300, 64, dtype=torch.bfloat16) for _ in range(2))
+    sinks = torch.linspace(-1.0, 2.0, 8)
+    out, lse = fwd(q, k, v, True, None, [100, 0], 0.0, sinks)
+    for h in range(8):
+        kv = slice(h // 4, h // 4 + 1)
+        alone = fwd(q[:, h : h + 1], k[:, kv], v[:, kv], True, None, [100, 0], 0.0, sinks[h : h + 1])
+        assert torch.equal(out[:, h : h + 1], alone[0]) and torch.equal(lse[:, h : h + 1], alone[1]), h
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", ["packed_qkv", "seq_major", "padded_rows"])
 def test_strided_inputs(device, dtype, causal, layout):
