@@ -82,7 +82,7 @@ struct DenseKv {
   }
 };
 
-// ...or a paged cache's pages, entry `entry`'s (the forward runs one entry at a time: b is 0).
+// ...or one entry's pages of a paged cache, through its block table row (one entry a call: b is 0).
 template <typename scalar_t>
 struct PagedKv {
   at::Tensor k_cache, v_cache;
@@ -209,7 +209,7 @@ void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, 
 }
 
 // Computes queries [q_begin, q_end) of heads h_first .. h_first + heads - 1 of batch entry b (query heads of one kv
-// head, whose rows k_mat, v_mat they read; at most kBlockM rows in all, head by head) : out = softmax(scale * q k^T)
+// head, whose rows k_mat, v_mat they read; at most kBlockM rows in all, head by head): out = softmax(scale * q k^T)
 // v, lse = m + log(l), with the band, softcap and each head's sink (sink_of: null without sinks) applied.
 template <typename scalar_t, typename Rows>
 void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_mat, at::Tensor& out, at::Tensor& lse,
