@@ -1,9 +1,10 @@
 // CPU backend of flashattn.fwd and flashattn.bwd: the FlashAttention algorithm, tiled for a CPU.
 //
-// Forward (attend_query_block): work is split over (batch, head, block of kBlockM query rows) with at::parallel_for.
-// One work item loads its query block once, then walks the key/value blocks of kBlockN keys, keeping per query row a
-// running max m, a running sum l of exp(score - m) and an unnormalised output accumulator. The full (Lq, Lk) score
-// matrix never exists; the scratch memory of a thread is O((kBlockM + 2 kBlockN) * D).
+// Forward (attend_query_block): work is split over (batch, head, block of kBlockM query rows) with at::parallel_for;
+// short GQA queries (decoding) take every query head of a kv head in one work item, which then converts each key block
+// once for all of them. A work item loads its query rows once, then walks the key/value blocks of kBlockN keys, keeping
+// per query row a running max m, a running sum l of exp(score - m) and an unnormalised output accumulator. The full
+// (Lq, Lk) score matrix never exists; the scratch memory of a thread is O((kBlockM + 2 kBlockN) * D).
 //
 // Backward (bwd_cpu_kernel): the probabilities are recomputed tile by tile from q, k and the saved lse, in three
 // passes, none of which writes where another work item writes (no atomics, no reductions across threads):
