@@ -1,8 +1,8 @@
 // CPU backend of flashattn.fwd and flashattn.bwd: the FlashAttention algorithm, tiled for a CPU.
 //
-// Forward (attend_query_block): work is split over (batch, head, block of kBlockM query rows) with at::parallel_for;
-// short GQA queries (decoding) take every query head of a kv head in one work item, which then converts each key block
-// once for all of them. A work item loads its query rows once, then walks the key/value blocks of kBlockN keys, keeping
+// Forward (fwd_cpu_kernel, attend_query_block): work is split over (entry, head, block of kBlockM query rows) in one
+// at::parallel_for, an entry being a batch entry, a packed sequence or a KV-cache entry; short GQA queries (decoding)
+// take every query head of a kv head in one work item, which then converts each key block once for all of them. A work item loads its query rows once, then walks the key/value blocks of kBlockN keys, keeping
 // per query row a running max m, a running sum l of exp(score - m) and an unnormalised output accumulator. The full
 // (Lq, Lk) score matrix never exists; the scratch memory of a thread is O((kBlockM + 2 kBlockN) * D).
 //
@@ -30,6 +30,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -74,35 +75,69 @@ struct PagedRows {
   T* row(int64_t r) const { return ptr + table[r / page_size] * page_stride + r % page_size * row_stride; }
 };
 
-// Where the forward reads the keys and values of kv head h_kv of batch entry b: (B, Hk, Lk, D) tensors...
-template <typename scalar_t>
+// Where a forward entry reads kv head h_kv's keys and values: rows of a (B, Hk, Lk, D) tensor pair at the entry's
+// offset...
+template <typename T>
 struct DenseKv {
-  at::Tensor k, v;
-  std::pair<RowMatrix<const scalar_t>, RowMatrix<const scalar_t>> operator()(int64_t b, int64_t h_kv) const {
-    return {head_slice<const scalar_t>(k, b, h_kv), head_slice<const scalar_t>(v, b, h_kv)};
+  const T* k;
+  const T* v;
+  int64_t k_head, k_row, v_head, v_row;
+  std::pair<RowMatrix<const T>, RowMatrix<const T>> operator()(int64_t h_kv) const {
+    return {{k + h_kv * k_head, k_row}, {v + h_kv * v_head, v_row}};
   }
 };
 
-// ...or one entry's pages of a paged cache, through its block table row (one entry a call: b is 0).
-template <typename scalar_t>
+// ...or an entry's pages of a paged cache (num_pages, Hk, page_size, D), through its block table row.
+template <typename T>
 struct PagedKv {
-  at::Tensor k_cache, v_cache;
+  const T* k;
+  const T* v;
+  int64_t k_head, v_head, k_page, v_page, k_row, v_row, page_size;
   const int32_t* table;
-  std::pair<PagedRows<const scalar_t>, PagedRows<const scalar_t>> operator()(int64_t /*b*/, int64_t h_kv) const {
-    const auto rows = [&](const at::Tensor& cache) {
-      return PagedRows<const scalar_t>{static_cast<const scalar_t*>(cache.data_ptr()) + h_kv * cache.stride(1),
-                                       cache.stride(0), cache.stride(2), cache.size(2), table};
-    };
-    return {rows(k_cache), rows(v_cache)};
+  std::pair<PagedRows<const T>, PagedRows<const T>> operator()(int64_t h_kv) const {
+    return {{k + h_kv * k_head, k_page, k_row, page_size, table}, {v + h_kv * v_head, v_page, v_row, page_size, table}};
   }
 };
+
+// One attention problem of a forward call (a batch entry, a packed sequence, a cache entry): its shape (batch 1), its
+// query rows, outputs and lse (query i of head h at q + h * q_head + i * q_row, ...) and its kv heads' rows.
+template <typename T, typename Kv>
+struct FwdEntry {
+  AttentionShape s;
+  int64_t left, right;  // the band (ScoreMods, normalised for this entry's lengths)
+  const T* q;
+  int64_t q_head, q_row;
+  T* out;
+  int64_t o_head, o_row;
+  float* lse;
+  int64_t lse_head, lse_row;
+  Kv kv;
+};
+
+// Batch entry b of (B, H, Lq, D) q / out and (B, H, Lq) lse (any strides with stride(-1) == 1), reading `kv`.
+template <typename T, typename Kv>
+FwdEntry<T, Kv> batch_entry(const at::Tensor& q, at::Tensor& out, at::Tensor& lse, int64_t b, const AttentionShape& s,
+                            const ScoreMods& mods, const Kv& kv) {
+  return {s, mods.left, mods.right, static_cast<const T*>(q.data_ptr()) + b * q.stride(0), q.stride(1), q.stride(2),
+          static_cast<T*>(out.data_ptr()) + b * out.stride(0), out.stride(1), out.stride(2),
+          lse.data_ptr<float>() + b * lse.stride(0), lse.stride(1), lse.stride(2), kv};
+}
+
+// Rows first .. of kv head h_kv of entry b of (B, Hk, Lk, D) k and v.
+template <typename T>
+DenseKv<T> batch_kv(const at::Tensor& k, const at::Tensor& v, int64_t b, int64_t first = 0) {
+  return {static_cast<const T*>(k.data_ptr()) + b * k.stride(0) + first * k.stride(2),
+          static_cast<const T*>(v.data_ptr()) + b * v.stride(0) + first * v.stride(2), k.stride(1), k.stride(2),
+          v.stride(1), v.stride(2)};
+}
 
 // The keys query row i sees, [key_begin(i), key_end(i)) (empty when key_begin >= key_end), and the rows that see a
 // key range: the band of ScoreMods (causal is right = 0). Both bounds are non-decreasing in i.
 struct Band {
   int64_t len_q, len_k, shift, left, right;
-  Band(const AttentionShape& s, const ScoreMods& mods)
-      : len_q(s.len_q), len_k(s.len_k), shift(s.len_k - s.len_q), left(mods.left), right(mods.right) {}
+  Band(const AttentionShape& s, const ScoreMods& mods) : Band(s, mods.left, mods.right) {}
+  Band(const AttentionShape& s, int64_t left, int64_t right)
+      : len_q(s.len_q), len_k(s.len_k), shift(s.len_k - s.len_q), left(left), right(right) {}
   int64_t key_begin(int64_t i) const { return left < 0 ? 0 : std::clamp<int64_t>(i + shift - left, 0, len_k); }
   int64_t key_end(int64_t i) const { return right < 0 ? len_k : std::clamp<int64_t>(i + shift + right + 1, 0, len_k); }
   // Rows [first, last) see at least one of the keys [k_begin, k_end).
@@ -209,24 +244,23 @@ void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, 
   }
 }
 
-// Computes queries [q_begin, q_end) of heads h_first .. h_first + heads - 1 of batch entry b (query heads of one kv
-// head, whose rows k_mat, v_mat they read; at most kBlockM rows in all, head by head): out = softmax(scale * q k^T)
-// v, lse = m + log(l), with the band, softcap and each head's sink (sink_of: null without sinks) applied.
-template <typename scalar_t, typename Rows>
-void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_mat, at::Tensor& out, at::Tensor& lse,
-                        const AttentionShape& s, int64_t b, int64_t h_first, int64_t heads, int64_t q_begin,
-                        int64_t q_end, const Band& band, double softcap, const float* sink_of, double scale,
-                        FwdScratch<at::opmath_type<scalar_t>>& tmp) {
+// Computes queries [q_begin, q_end) of heads h_first .. h_first + heads - 1 of an entry (query heads of one kv head,
+// whose rows k_mat, v_mat they read; at most kBlockM rows in all, head by head): out = softmax(scale * q k^T) v,
+// lse = m + log(l), with the band, softcap and each head's sink (sink_of: null without sinks) applied.
+template <typename scalar_t, typename Entry, typename Rows>
+void attend_query_block(const Entry& e, const Rows& k_mat, const Rows& v_mat, int64_t h_first, int64_t heads,
+                        int64_t q_begin, int64_t q_end, const Band& band, double softcap, const float* sink_of,
+                        double scale, FwdScratch<at::opmath_type<scalar_t>>& tmp) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t d = s.head_dim;
+  const int64_t d = e.s.head_dim;
   const int64_t queries = q_end - q_begin;
   const int64_t rows = heads * queries;
   // Row r of the block: query query_of(r) of head h_first + r / queries.
   const auto query_of = [&](int64_t r) { return q_begin + r % queries; };
 
   for (int64_t g = 0; g < heads; ++g) {
-    load_rows(head_slice<const scalar_t>(q, b, h_first + g), q_begin, queries, d, tmp.q.data() + g * queries * d,
-              static_cast<acc_t>(scale));
+    const RowMatrix<const scalar_t> q_rows{e.q + (h_first + g) * e.q_head, e.q_row};
+    load_rows(q_rows, q_begin, queries, d, tmp.q.data() + g * queries * d, static_cast<acc_t>(scale));
   }
   std::fill(tmp.acc.begin(), tmp.acc.begin() + rows * d, acc_t(0));
   std::fill(tmp.m.begin(), tmp.m.end(), -std::numeric_limits<acc_t>::infinity());
@@ -272,40 +306,51 @@ void attend_query_block(const at::Tensor& q, const Rows& k_mat, const Rows& v_ma
     const bool sees_keys = band.key_begin(i) < band.key_end(i);
     const acc_t l = tmp.l[r] == 0 && sees_keys ? std::numeric_limits<acc_t>::quiet_NaN() : tmp.l[r];
     const acc_t inv_l = l != 0 ? acc_t(1) / l : acc_t(0);
-    scalar_t* dst = head_slice<scalar_t>(out, b, h).row(i);
+    scalar_t* dst = e.out + h * e.o_head + i * e.o_row;
     for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(tmp.acc[r * d + x] * inv_l);
-    lse.data_ptr<float>()[b * lse.stride(0) + h * lse.stride(1) + i] =
+    e.lse[h * e.lse_head + i * e.lse_row] =
         l != 0 ? static_cast<float>(tmp.m[r] + std::log(l)) : -std::numeric_limits<float>::infinity();
   }
 }
 
-// `kv(b, h_kv)`: the rows of kv head h_kv of entry b (DenseKv, PagedKv).
-template <typename scalar_t, typename Kv>
-void fwd_cpu_kernel(const at::Tensor& q, const Kv& kv, at::Tensor& out, at::Tensor& lse, const AttentionShape& s,
-                    const ScoreMods& mods, double scale) {
-  const Band band(s, mods);
-  const at::Tensor sinks = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
-  const float* sink_of = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
-  // Short queries with GQA (decoding): a work item takes every query head of a kv head, so that each block of its keys
-  // and values is converted once for all of them. A row's arithmetic is the same either way (the same bits).
-  const int64_t group = s.heads_kv > 0 ? s.heads / s.heads_kv : 1;
-  const bool pack = group > 1 && s.len_q * group <= kBlockM;
-  const int64_t heads_per_item = pack ? group : 1;
-  const int64_t q_block_rows = pack ? s.len_q : kBlockM;
-  const int64_t q_blocks = (s.len_q + q_block_rows - 1) / q_block_rows;
-  const int64_t head_items = s.heads / heads_per_item;
-  const int64_t work_items = s.batch * head_items * q_blocks;
+// The forward over a call's entries (FwdEntry: batch entries, packed sequences or cache entries), every entry's work
+// items (entry, query head or heads, block of query rows) in one parallel_for. Short GQA queries (decoding) take every
+// query head of a kv head in one item, so that each key block is converted once for all of them; a row's arithmetic
+// is the same either way (the same bits).
+template <typename scalar_t, typename Entry>
+void fwd_cpu_kernel(const std::vector<Entry>& entries, double softcap, const std::optional<at::Tensor>& sinks,
+                    double scale) {
+  const at::Tensor sink_rows = sinks.has_value() ? sinks->contiguous() : at::Tensor();
+  const float* sink_of = sink_rows.defined() ? sink_rows.data_ptr<float>() : nullptr;
+  // Per entry: the query heads and the query rows of an item, and the first item past the entry.
+  std::vector<int64_t> item_heads(entries.size()), block_rows(entries.size()), items_end(entries.size());
+  int64_t items = 0;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const AttentionShape& s = entries[i].s;
+    const int64_t group = s.heads / s.heads_kv;
+    const bool pack = group > 1 && s.len_q * group <= kBlockM;
+    item_heads[i] = pack ? group : 1;
+    block_rows[i] = pack ? s.len_q : kBlockM;
+    const int64_t q_blocks = s.len_q == 0 ? 0 : (s.len_q + block_rows[i] - 1) / block_rows[i];
+    items += s.heads / item_heads[i] * q_blocks;
+    items_end[i] = items;
+  }
   // grain 1: a work item already costs kBlockM * Lk * D multiply-adds (or is a decode row of a long cache).
-  at::parallel_for(0, work_items, 1, [&](int64_t begin, int64_t end) {
-    FwdScratch<at::opmath_type<scalar_t>> tmp(s.head_dim);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    FwdScratch<at::opmath_type<scalar_t>> tmp(entries.empty() ? 0 : entries.front().s.head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t q_begin = item % q_blocks * q_block_rows;
-      const int64_t q_end = std::min(s.len_q, q_begin + q_block_rows);
-      const int64_t b = item / q_blocks / head_items;
-      const int64_t h_first = item / q_blocks % head_items * heads_per_item;
-      const auto [k_mat, v_mat] = kv(b, h_first / group);
-      attend_query_block<scalar_t>(q, k_mat, v_mat, out, lse, s, b, h_first, heads_per_item, q_begin, q_end, band,
-                                   mods.softcap, sink_of, scale, tmp);
+      const size_t i = std::upper_bound(items_end.begin(), items_end.end(), item) - items_end.begin();
+      const Entry& e = entries[i];
+      const int64_t group = e.s.heads / e.s.heads_kv;
+      const int64_t heads = item_heads[i];
+      const int64_t q_blocks = (e.s.len_q + block_rows[i] - 1) / block_rows[i];
+      const int64_t local = item - (i == 0 ? 0 : items_end[i - 1]);
+      const int64_t q_begin = local % q_blocks * block_rows[i];
+      const int64_t h_first = local / q_blocks * heads;
+      const auto [k_mat, v_mat] = e.kv(h_first / group);
+      attend_query_block<scalar_t>(e, k_mat, v_mat, h_first, heads, q_begin,
+                                   std::min(e.s.len_q, q_begin + block_rows[i]), Band(e.s, e.left, e.right), softcap,
+                                   sink_of, scale, tmp);
     }
   });
 }
@@ -323,7 +368,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   if (s.empty()) return {out, lse};
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_cpu", [&] {
-    fwd_cpu_kernel<scalar_t>(q, DenseKv<scalar_t>{k, v}, out, lse, s, mods, softmax_scale);
+    const AttentionShape entry_shape{1, s.heads, s.heads_kv, s.len_q, s.len_k, s.head_dim};
+    std::vector<FwdEntry<scalar_t, DenseKv<scalar_t>>> entries;
+    for (int64_t b = 0; b < s.batch; ++b) {
+      entries.push_back(batch_entry<scalar_t>(q, out, lse, b, entry_shape, mods, batch_kv<scalar_t>(k, v, b)));
+    }
+    fwd_cpu_kernel<scalar_t>(entries, mods.softcap, mods.sinks, softmax_scale);
   });
   return {out, lse};
 }
@@ -669,15 +719,21 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cpu(const at::Tensor& q, const at:
   const auto [cu_q, cu_k] = checked_cu_seqlens(cu_seqlens_q, cu_seqlens_k, vs, op);
   at::Tensor out = at::empty({vs.total_q, vs.heads, vs.head_dim}, q.options());
   at::Tensor lse = at::empty({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
-  for_each_sequence(cu_q, cu_k, q, vs, causal, window_size, softcap, sinks, op,
-                    [&](int64_t row_q, int64_t row_k, const AttentionShape& s, const ScoreMods& mods) {
-    at::Tensor out_b = sequence_view(out, row_q, s.len_q);
-    at::Tensor lse_b = sequence_lse(lse, row_q, s.len_q);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_varlen_cpu", [&] {
-      fwd_cpu_kernel<scalar_t>(sequence_view(q, row_q, s.len_q),
-                               DenseKv<scalar_t>{sequence_view(k, row_k, s.len_k), sequence_view(v, row_k, s.len_k)},
-                               out_b, lse_b, s, mods, softmax_scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_varlen_cpu", [&] {
+    // Every sequence's rows in place in the packed (total, H, D) tensors and the (H, total_q) lse; one parallel_for.
+    std::vector<FwdEntry<scalar_t, DenseKv<scalar_t>>> entries;
+    for_each_sequence(cu_q, cu_k, q, vs, causal, window_size, softcap, sinks, op,
+                      [&](int64_t row_q, int64_t row_k, const AttentionShape& s, const ScoreMods& mods) {
+      const auto rows = [](const at::Tensor& t, int64_t row) {
+        return static_cast<scalar_t*>(t.data_ptr()) + row * t.stride(0);
+      };
+      entries.push_back({s, mods.left, mods.right, rows(q, row_q), q.stride(1), q.stride(0), rows(out, row_q),
+                         out.stride(1), out.stride(0), lse.data_ptr<float>() + row_q * lse.stride(1), lse.stride(0),
+                         lse.stride(1),
+                         DenseKv<scalar_t>{rows(k, row_k), rows(v, row_k), k.stride(1), k.stride(0), v.stride(1),
+                                           v.stride(0)}});
     });
+    fwd_cpu_kernel<scalar_t>(entries, softcap, sinks, softmax_scale);
   });
   return {out, lse};
 }
@@ -773,24 +829,32 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
       k_cache.select(0, where).select(1, offset).copy_(k->select(0, b).select(1, t));
       v_cache.select(0, where).select(1, offset).copy_(v->select(0, b).select(1, t));
     }
-    const int64_t end_k = valid[b] + ks.len_new;
-    const int64_t len_k = end_k - first[b];
-    const AttentionShape s{1, ks.heads, ks.heads_kv, ks.len_q, len_k, ks.head_dim};
-    const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
-    if (s.empty()) continue;
-    at::Tensor out_b = out.narrow(0, b, 1);
-    at::Tensor lse_b = lse.narrow(0, b, 1);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_kvcache_cpu", [&] {
-      if (ks.paged) {  // the entry's pages, read in place through its block table row
-        const PagedKv<scalar_t> kv{k_cache, v_cache, pages.data_ptr<int32_t>() + b * pages.size(1)};
-        fwd_cpu_kernel<scalar_t>(q.narrow(0, b, 1), kv, out_b, lse_b, s, mods, softmax_scale);
-      } else {
-        const DenseKv<scalar_t> kv{k_cache.narrow(0, b, 1).narrow(2, first[b], len_k),
-                                   v_cache.narrow(0, b, 1).narrow(2, first[b], len_k)};
-        fwd_cpu_kernel<scalar_t>(q.narrow(0, b, 1), kv, out_b, lse_b, s, mods, softmax_scale);
-      }
-    });
   }
+  // Every entry's keys (from its left padding to its end) in one parallel_for: a dense cache's rows at the entry's
+  // offset, or a paged one's through its block table row.
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_fwd_kvcache_cpu", [&] {
+    const auto run = [&](const auto& kv_of) {
+      using Kv = std::decay_t<decltype(kv_of(int64_t{0}))>;
+      std::vector<FwdEntry<scalar_t, Kv>> entries;
+      for (int64_t b = 0; b < ks.batch; ++b) {
+        const AttentionShape s{1, ks.heads, ks.heads_kv, ks.len_q, valid[b] + ks.len_new - first[b], ks.head_dim};
+        const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks, op);
+        if (s.empty()) continue;
+        entries.push_back(batch_entry<scalar_t>(q, out, lse, b, s, mods, kv_of(b)));
+      }
+      fwd_cpu_kernel<scalar_t>(entries, softcap, sinks, softmax_scale);
+    };
+    if (ks.paged) {
+      run([&](int64_t b) {
+        return PagedKv<scalar_t>{static_cast<const scalar_t*>(k_cache.data_ptr()),
+                                 static_cast<const scalar_t*>(v_cache.data_ptr()), k_cache.stride(1),
+                                 v_cache.stride(1), k_cache.stride(0), v_cache.stride(0), k_cache.stride(2),
+                                 v_cache.stride(2), ks.page_size, pages.data_ptr<int32_t>() + b * pages.size(1)};
+      });
+    } else {
+      run([&](int64_t b) { return batch_kv<scalar_t>(k_cache, v_cache, b, first[b]); });
+    }
+  });
   return {out, lse};
 }
 
