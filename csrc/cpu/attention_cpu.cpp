@@ -2,9 +2,10 @@
 //
 // Forward (fwd_cpu_kernel, attend_query_block): work is split over (entry, head, block of kBlockM query rows) in one
 // at::parallel_for, an entry being a batch entry, a packed sequence or a KV-cache entry; short GQA queries (decoding)
-// take every query head of a kv head in one work item, which then converts each key block once for all of them. A work item loads its query rows once, then walks the key/value blocks of kBlockN keys, keeping
-// per query row a running max m, a running sum l of exp(score - m) and an unnormalised output accumulator. The full
-// (Lq, Lk) score matrix never exists; the scratch memory of a thread is O((kBlockM + 2 kBlockN) * D).
+// take every query head of a kv head in one work item, which then converts each key block once for all of them. A
+// work item loads its query rows once, then walks the key/value blocks of kBlockN keys, keeping per query row a
+// running max m, a running sum l of exp(score - m) and an unnormalised output accumulator. The full (Lq, Lk) score
+// matrix never exists; the scratch memory of a thread is O((kBlockM + 2 kBlockN) * D).
 //
 // Backward (bwd_cpu_kernel): the probabilities are recomputed tile by tile from q, k and the saved lse, in three
 // passes, none of which writes where another work item writes (no atomics, no reductions across threads):
@@ -215,8 +216,8 @@ struct FwdScratch {
 // One online-softmax step for one query row over `visible` keys of the current block (visible >= 1):
 // the row max grows to m_new, the old sum and accumulator are rescaled by exp(m_old - m_new), and the new
 // probabilities (written over the scores) are added. With a finite score visible m_new is finite, so the first visible
-// block gives exp(-inf - m_new) = 0 for the empty history; NaN or +inf scores make l NaN (see the epilogue). While every
-// score so far is -inf they weigh 0 and the row stays without history (exp(-inf - -inf) would be NaN).
+// block gives exp(-inf - m_new) = 0 for the empty history; NaN or +inf scores make l NaN (see the epilogue). While
+// every score so far is -inf they weigh 0 and the row stays without history (exp(-inf - -inf) would be NaN).
 template <typename acc_t>
 void online_softmax_row(acc_t* s_row, const acc_t* v, acc_t* acc_row, acc_t& m, acc_t& l, int64_t visible,
                         int64_t d) {
