@@ -667,8 +667,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
 // ==== packed sequences (varlen) ===================================================================================
 //
-// Each sequence runs through the dense kernels above on (1, H, L_b, D) views of the packed tensors (any strides, no
-// copy), one after the other: the same bits as the dense op on that sequence alone, whatever else is packed with it.
+// The forward takes every sequence as an entry (its rows in place in the packed tensors, any strides, no copy), all in
+// one parallel_for; the backward runs the dense kernels above on (1, H, L_b, D) views, one sequence after the other.
+// Either way a sequence has the bits of the dense op on it alone, whatever else is packed with it.
 
 // The (1, heads, rows, D) view of rows [begin, begin + rows) of a packed (total, heads, D) tensor.
 at::Tensor sequence_view(const at::Tensor& packed, int64_t begin, int64_t rows) {
@@ -778,9 +779,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cpu(
 
 // ==== KV cache ======================================================================================================
 //
-// Per batch entry: the new keys and values are written into the cache at its valid length, then the dense kernel runs
-// over the entry's valid keys: a view of a dense cache (from its left padding), or a paged one's rows read in place
-// through the entry's block table row. Nothing past a valid length (or before the left padding's end) is read.
+// The new keys and values of every entry are written into the cache at its valid length first; then the forward runs
+// over every entry's valid keys in one parallel_for: a dense cache's rows from the entry's left padding, or a paged
+// one's read in place through the entry's block table row. Nothing past a valid length (or before the left padding's
+// end) is read.
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                                    const std::optional<at::Tensor>& k,
