@@ -33,8 +33,8 @@ inline bool fwd_wants_sm90(int bucket, const FwdDevice& device, const Switches& 
 
 // Whether the decode path takes the call: a few query rows (any score modification), kv heads x row groups within
 // CUDA's limit of 65535 CTAs along y, on a GPU whose CTAs may have the kernel's shared memory (not above D64 on sm_86
-// / sm_89, nor above D128 on sm_80). The forward kernels (a 1-D grid) take the others. Never the batch size: a row's bits do
-// not depend on it.
+// / sm_89, nor above D128 on sm_80). The forward kernels (a 1-D grid) take the others. Never the batch size: a row's
+// bits do not depend on it.
 inline bool decode_applies(const FwdParams& p, int bucket, const FwdDevice& device, const Switches& sw) {
   constexpr int64_t kMaxGridY = 65535;
   const int64_t groups = static_cast<int64_t>(p.heads_kv) * decode_row_groups(p.heads_per_kv, p.len_q);
