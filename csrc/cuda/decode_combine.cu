@@ -113,8 +113,7 @@ __global__ void __launch_bounds__(kMaxHeadDim)
   const int query = static_cast<int>(row % p.len_q);
   const int head = static_cast<int>(row / p.len_q % p.heads);
   const int64_t batch = row / p.len_q / p.heads;
-  const int end_k = entry_len_k(p, static_cast<int>(batch));
-  const int len_k = end_k - entry_first_key(p, static_cast<int>(batch), end_k);  // from the left padding, as the kernel
+  const int len_k = entry_keys(p, static_cast<int>(batch)).len;  // from the left padding, as the kernel
   const bool sees_keys = row_sees_band(query, len_k - p.len_q, p.window_left, p.window_right, len_k);
   float lse;
   const float scale =

@@ -115,12 +115,18 @@ __device__ inline int entry_len_k(const FwdParams& p, int batch) {
   const int64_t keys = static_cast<int64_t>(__ldg(p.seqlens_k + batch)) + p.len_new;
   return static_cast<int>(keys < 0 ? 0 : keys > p.len_k ? p.len_k : keys);
 }
-// The cache row where batch entry `batch`'s keys start: its left padding (clamped to [0, end_k], the entry's
-// entry_len_k), or 0.
-__device__ inline int entry_first_key(const FwdParams& p, int batch, int end_k) {
-  if (p.leftpad_k == nullptr) return 0;
-  const int first = __ldg(p.leftpad_k + batch);
-  return first < 0 ? 0 : first > end_k ? end_k : first;
+// Batch entry `batch`'s keys as cache rows [first, first + len): from its left padding (leftpad_k, clamped to
+// [0, entry_len_k]) or 0 to entry_len_k. first is 0 when len is, so the rows' base stays inside the cache.
+struct EntryKeys {
+  int first;
+  int len;
+};
+__device__ inline EntryKeys entry_keys(const FwdParams& p, int batch) {
+  const int end = entry_len_k(p, batch);
+  if (p.leftpad_k == nullptr) return {0, end};
+  const int pad = __ldg(p.leftpad_k + batch);
+  const int first = pad < 0 ? 0 : pad > end ? end : pad;
+  return first < end ? EntryKeys{first, end - first} : EntryKeys{0, 0};
 }
 #endif
 

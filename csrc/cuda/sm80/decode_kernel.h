@@ -85,13 +85,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   const int batch = blockIdx.x / split_ctas * gridDim.z + blockIdx.z;
   if (batch >= p.batch) return;  // past the batch in its last chunk
 
-  // This entry's keys, from its left padding (first_key, a dense cache's), and those some query of it can see:
+  // This entry's keys, from its left padding (a dense cache's), and those some query of it can see:
   // [n_lo, n_hi). The band is the params' (causal folded in as right = 0); its bounds for the queries 0 .. Lq - 1 of
   // every head.
-  const int end_k = entry_len_k(p, batch);
-  const int first_key = kPaged ? 0 : entry_first_key(p, batch, end_k);
-  const int len_k = end_k - first_key;
-  const int64_t first_row = len_k > 0 ? first_key : 0;  // the rows' base stays inside the cache
+  const EntryKeys keys = kPaged ? EntryKeys{0, entry_len_k(p, batch)} : entry_keys(p, batch);  // pages: no padding
+  const int len_k = keys.len;
+  const int64_t first_row = keys.first;
   const int shift = len_k - p.len_q;
   const int left = p.window_left, right = p.window_right;
   const int n_lo = left < 0 ? 0 : min(len_k, max(0, shift - left));

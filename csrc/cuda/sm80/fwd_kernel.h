@@ -98,10 +98,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
     head = (blockIdx.x / num_m_blocks) % p.heads;
     batch = blockIdx.x / num_m_blocks / p.heads;
     if (kSequences && (p.seqlens_k != nullptr || p.leftpad_k != nullptr)) {
-      const int end_k = entry_len_k(p, batch);
-      const int first_key = entry_first_key(p, batch, end_k);
-      seq_len_k = end_k - first_key;
-      row_k = seq_len_k > 0 ? first_key : 0;  // the rows' base stays inside the cache
+      const EntryKeys keys = entry_keys(p, batch);
+      seq_len_k = keys.len, row_k = keys.first;
     }
   } else {
     const int num_slots = packed_slots(p.len_q, p.batch, kBlockM);
