@@ -189,6 +189,16 @@ def flash_attn_with_kvcache(
 # ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 
+def _output_like(t):
+    """An output in the layout of input `t`, as the kernels allocate it (csrc/api/layouts.h): torch.empty_like's strides
+    where the kernels can take them (the last 1, the others multiples of 8), else contiguous."""
+    out = torch.empty_like(t)
+    strides = out.stride()
+    if len(strides) > 0 and strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1]):
+        return out
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 @torch.library.register_fake("flashattn::fwd")
 def _fwd_fake(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, sinks=None):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "flashattn.fwd: q, k, v must be 4-D")
@@ -196,9 +206,8 @@ def _fwd_fake(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0
     torch._check(k.shape[0] == batch and v.shape[0] == batch, lambda: "flashattn.fwd: batch sizes differ")
     torch._check(k.shape[3] == head_dim and v.shape[3] == head_dim, lambda: "flashattn.fwd: head dims differ")
     torch._check(k.shape[1] == v.shape[1] and k.shape[2] == v.shape[2], lambda: "flashattn.fwd: k/v shapes differ")
-    out = torch.empty((batch, heads, len_q, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, len_q), dtype=torch.float32, device=q.device)
-    return out, lse
+    return _output_like(q), lse
 
 
 @torch.library.register_fake("flashattn::bwd")
@@ -208,9 +217,9 @@ def _bwd_fake(
 ):
     torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flashattn.bwd: dout/out must match q")
     return (
-        torch.empty(q.shape, dtype=q.dtype, device=q.device),
-        torch.empty(k.shape, dtype=k.dtype, device=k.device),
-        torch.empty(v.shape, dtype=v.dtype, device=v.device),
+        _output_like(q),
+        _output_like(k),
+        _output_like(v),
         torch.empty((q.shape[1] if sinks is not None else 0,), dtype=torch.float32, device=q.device),
     )
 
@@ -244,6 +253,5 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
 def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
                       scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, num_splits=0, cache_leftpad=None):
     torch._check(q.dim() == 4, lambda: "flashattn.fwd_kvcache: q must be 4-D")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    return out, lse
+    return _output_like(q), lse

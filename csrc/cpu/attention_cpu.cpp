@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "api/checks.h"
+#include "api/layouts.h"
 
 namespace flashattn {
 namespace {
@@ -364,7 +365,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor
   const double softmax_scale = resolve_scale(scale, s.head_dim);
   const ScoreMods mods = check_score_mods(q, s, causal, window_size, softcap, sinks);
 
-  at::Tensor out = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
+  at::Tensor out = empty_output_like(q);
   at::Tensor lse = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
 
@@ -652,13 +653,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
   at::Tensor dsinks = at::zeros({sinks.has_value() ? s.heads : 0}, q.options().dtype(at::kFloat));
   if (s.empty()) {  // nothing attends to anything: every gradient is zero
-    return {at::zeros(q.sizes(), q.options()), at::zeros(k.sizes(), k.options()), at::zeros(v.sizes(), v.options()),
-            dsinks};
+    return {empty_output_like(q).zero_(), empty_output_like(k).zero_(), empty_output_like(v).zero_(), dsinks};
   }
   // Every element is written: dK / dV by their key block's work item, dQ by its query block's (0 on keyless rows).
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor dq = empty_output_like(q);
+  at::Tensor dk = empty_output_like(k);
+  at::Tensor dv = empty_output_like(v);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "flashattn_bwd_cpu", [&] {
     bwd_cpu_kernel<scalar_t>(dout, q, k, v, out, lse, dlse, dq, dk, dv, dsinks, s, mods, softmax_scale);
   });
@@ -824,7 +824,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cpu(const at::Tensor& q, at::Tens
     if (!ks.paged) return {b, p};
     return {pages.data_ptr<int32_t>()[b * pages.size(1) + p / ks.page_size], p % ks.page_size};
   };
-  at::Tensor out = at::empty({ks.batch, ks.heads, ks.len_q, ks.head_dim}, q.options());
+  at::Tensor out = empty_output_like(q);
   at::Tensor lse = at::empty({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
   for (int64_t b = 0; b < ks.batch; ++b) {
     for (int64_t t = 0; t < ks.len_new; ++t) {

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "api/checks.h"
+#include "api/layouts.h"
 #include "cuda/bwd_chunked.h"
 
 namespace flashattn {
@@ -34,9 +35,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
   at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
-  if (s.empty() || s.len_k == 0) {
-    return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
-  }
+  // The gradients in their inputs' types and layouts (api/layouts.h).
+  const auto result = [&] {
+    return std::make_tuple(empty_output_like(q).copy_(dq), empty_output_like(k).copy_(dk),
+                           empty_output_like(v).copy_(dv));
+  };
+  if (s.empty() || s.len_k == 0) return result();
 
   // One batch entry at a time, in chunks sized from its own shape: every GEMM and reduction has the same shape
   // whatever the batch size, so a sequence's gradients are the same bits in any batch.
@@ -97,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_chunked(const at::Tensor& dou
       dk_b.add_(at::matmul(ds.transpose(-1, -2), q_c).mul_(softmax_scale));
     }
   }
-  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+  return result();
 }
 
 }  // namespace flashattn

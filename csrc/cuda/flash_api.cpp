@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "api/checks.h"
+#include "api/layouts.h"
 #include "cuda/bwd_chunked.h"
 #include "cuda/fwd_plan.h"
 #include "cuda/kernel_table.h"
@@ -37,6 +38,10 @@ namespace {
 // (the default): a pass over every buffer, 27% of a D128 L1k causal backward's time under determinism.
 at::Tensor empty_written(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::Tensor(at::detail::empty_cuda(sizes, options));
+}
+// The same for an output in the layout of input `t` (api/layouts.h).
+at::Tensor empty_written_like(const at::Tensor& t) {
+  return at::Tensor(at::detail::empty_strided_cuda(t.sizes(), output_strides_like(t), t.options()));
 }
 
 // Smallest compiled bucket >= head_dim.
@@ -286,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   const Switches& sw = switches();
 
   const c10::cuda::CUDAGuard device_guard(q.device());
-  at::Tensor out = empty_written({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
+  at::Tensor out = empty_written_like(q);
   at::Tensor lse = empty_written({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
   if (s.len_k == 0) {  // every row sees no key: out = 0, lse = -inf or the row's sink
@@ -339,6 +344,14 @@ BwdParams make_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at:
   p.do_batch_stride = dout.stride(0), p.do_head_stride = dout.stride(1), p.do_row_stride = dout.stride(2);
   set_shape_and_scale(p, s, scale);
   return p;
+}
+
+// dK and dV, (B, Hk, Lk, D) views with 16-byte rows, for the kernels to write.
+void set_key_grads(BwdParams& p, const at::Tensor& dk, const at::Tensor& dv) {
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dk_batch_stride = dk.stride(0), p.dk_head_stride = dk.stride(1), p.dk_row_stride = dk.stride(2);
+  p.dv_batch_stride = dv.stride(0), p.dv_head_stride = dv.stride(1), p.dv_row_stride = dv.stride(2);
 }
 
 // The persistent Hopper backward's tile counter (zeroed by the preprocess pass, or undefined) and grid bound: the SM
@@ -492,8 +505,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
     dq_semaphore = at::zeros({s.batch, s.heads, (s.len_q + block_m - 1) / block_m, sm90 ? sm90::kBwdDqSemaphores : 1},
                              q.options().dtype(at::kInt));
   }
-  at::Tensor dk = empty_written(k.sizes(), k.options());
-  at::Tensor dv = empty_written(v.sizes(), v.options());
+  at::Tensor dk = empty_written_like(k);
+  at::Tensor dv = empty_written_like(v);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
   const at::Tensor tile_counter = path == BwdPath::kSm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
@@ -509,12 +522,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_fused_or_chunked(const at::Te
         sm90_kernel_head_dim(bucket), causal, s.len_q, params.heads_per_kv,
         at::cuda::getCurrentDeviceProperties()->l2CacheSize);
   }
-  params.dk = dk.data_ptr();
-  params.dv = dv.data_ptr();
+  set_key_grads(params, dk, dv);
   const cudaError_t err = launch_bwd(params, is_bf16, bucket, sm80_ordered_dq ? mods.right >= 0 : causal,
                                      options || sm80_ordered_dq, sm80_ordered_dq, path, stream);
   TORCH_CHECK(err == cudaSuccess, "flashattn.bwd: CUDA kernel launch failed: ", cudaGetErrorString(err));
-  at::Tensor dq = empty_written({s.batch, s.heads, s.len_q, s.head_dim}, q.options());
+  at::Tensor dq = empty_written_like(q);
   launch_bwd_postprocess(dq_accum, dq, softmax_scale, "flashattn.bwd");
   return {dq, dk, dv};
 }
@@ -699,8 +711,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.lse = lse_rows.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
+  set_key_grads(p, as_one_batch(dk), as_one_batch(dv));
   set_bwd_schedule(p, tile_counter);
   // The Hopper sequences kernel where TMA can describe the packed tensors as one batch entry of all rows, with room
   // for each sequence's maps; else the portable one.
@@ -818,7 +829,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     const cudaError_t err = append_to_kvcache(ks, *k, *v, k_cache, v_cache, lengths, pages, stream);
     TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   }
-  at::Tensor out = empty_written({ks.batch, ks.heads, ks.len_q, ks.head_dim}, q.options());
+  at::Tensor out = empty_written_like(q);
   at::Tensor lse = empty_written({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
 

@@ -177,8 +177,10 @@ struct BwdParams {
   // bwd_ordered_interleave); 0 or 1: a pair's blocks one after another.
   int ordered_interleave;
 
-  void* __restrict__ dk;  // (B, Hk, Lk, D) contiguous, T
+  void* __restrict__ dk;  // (B, Hk, Lk, D) with the strides below, T
   void* __restrict__ dv;
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
 
   int batch, heads, heads_kv, len_q, len_k, head_dim;
   int heads_per_kv;
@@ -189,7 +191,7 @@ struct BwdParams {
   float softcap;
 
   // Packed sequences (the sm80 sequences variant), as FwdParams'; then lse, delta and dq_accum are (H, total_q[, D])
-  // and dk, dv (total_k, Hk, D), contiguous.
+  // contiguous and dk, dv (total_k, Hk, D) (their batch strides unused).
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
   // Packed sequences on Hopper (the sm90 sequences variants): five CUtensorMaps per sequence (q, k, v, dout,

@@ -9,6 +9,7 @@ from cases import CUDA_HEAD_DIMS
 from reference import (
     GRAD_FLOOR,
     assert_error_within,
+    assert_grad_layouts,
     assert_grad_properties,
     attention_grads,
     make_qkv,
@@ -148,3 +149,29 @@ def test_cuda_backward_of_more_than_2_31_elements():
     for b in (0, batch // 2, batch - 1):
         sl = slice(b, b + 1)
         assert_grads_close(tuple(g[sl] for g in grads[:3]), q[sl], k[sl], v[sl], dout[sl], dlse[sl], True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("env", [{}, {"FLASHATTN_BWD_SM90": "0"}, {"FLASHATTN_CUDA_BWD": "chunked"}],
+                         ids=["default", "sm80", "chunked"])
+def test_cuda_grads_in_input_layouts(env):
+    # Every backward path writes dq, dk, dv in the layouts of q, k, v (sequence-major here, as a model passes them:
+    # (B, L, H, D) memory) with the numbers contiguous inputs give: plain, band, ordered dQ, D256 (sm80: chunked).
+    from isolated import run_isolated
+
+    cases, inputs = [], []
+    for head_dim, heads_kv, mods in ((64, 2, {}), (128, 4, {"window_size": (64, 0)}),
+                                     (128, 2, {"deterministic": True}), (256, 2, {})):
+        q, k, v = make_qkv(2, 4, heads_kv, 97, 130, head_dim, torch.bfloat16, "cuda", layout="seq_major")
+        dout, out, lse, dlse = op_inputs(q, k, v, True)
+        kwargs = dict(dlse=dlse, **mods)
+        cases.append(("bwd", (dout, q, k, v, out, lse, True), kwargs))
+        cases.append(("bwd", (dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, True), kwargs))
+        inputs.append((q, k, v))
+    results = run_isolated(env, "cuda_kernels.schedule_runs", "backward_each", cases)
+    for i, (q, k, v) in enumerate(inputs):
+        got, want = results[2 * i], results[2 * i + 1]
+        assert_grad_layouts(got, q, k, v)
+        assert got[0].transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous()
+        for grad, expected in zip(got, want):
+            torch.testing.assert_close(grad, expected, msg=lambda m: f"case {i}: {m}")

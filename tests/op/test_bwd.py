@@ -8,6 +8,7 @@ from cases import HEAD_DIMS, LENGTH_PAIRS
 from isolated import run_isolated
 from reference import (
     GRAD_FLOOR,
+    assert_grad_layouts,
     assert_grad_properties,
     assert_grads_close,
     attention_grads,
@@ -145,6 +146,7 @@ def test_strided_inputs(device, dtype, causal, layout):
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     grads, dout, _ = flash_grads(q, k, v, causal)
     assert_grads_close(grads, q, k, v, dout, None, causal)
+    assert_grad_layouts(grads, q, k, v)  # sequence-major grads for sequence-major inputs: no copy to view them back
     # Same numbers as with contiguous copies (the kernels index with the strides they are given).
     q_c, k_c, v_c = leaves(q.contiguous(), k.contiguous(), v.contiguous())
     expected = torch.autograd.grad(flashattn_ext.flash_attn(q_c, k_c, v_c, causal), (q_c, k_c, v_c), dout)
@@ -167,6 +169,7 @@ def test_strided_op_arguments(device, dtype):
     got = bwd(strided["dout"], q, k, v, strided["out"], strided["lse"], True, None, strided["dlse"])
     expected = bwd(dout, q, k, v, out, lse, True, None, dlse)
     assert_grad_properties(got, q, k, v)
+    assert_grad_layouts(got, q, k, v)
     exact = dict(rtol=0, atol=0) if device == "cpu" else {}
     for grad, want in zip(got, expected):
         torch.testing.assert_close(grad, want, **exact)

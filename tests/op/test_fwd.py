@@ -8,6 +8,7 @@ import torch
 
 import flashattn_ext
 from cases import HEAD_DIMS, LENGTH_PAIRS
+from flashattn_ext.ops import _output_like
 from reference import (
     OUT_FLOOR,
     assert_attention_close,
@@ -80,6 +81,39 @@ def test_strided_inputs(device, dtype, causal, layout):
     # Same numbers as with contiguous copies of the inputs (the kernel indexes with the strides it is given).
     out_contiguous, _ = fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal)
     torch.testing.assert_close(out, out_contiguous)
+    # out in q's order of dimensions, as the fake implementation says: (B, L, H, D) memory for sequence-major q.
+    assert out.stride() == _output_like(q).stride()
+    if layout != "padded_rows":
+        assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "seq_major", "heads_first", "size1_odd_stride", "expanded"])
+def test_output_layout_follows_q(device, dtype, layout):
+    # The layout rule of csrc/api/layouts.h and flashattn_ext/ops.py (torch.empty_like's strides where usable, else
+    # contiguous), for the dense op and the KV-cache op alike.
+    batch, heads, len_q, head_dim = 2, 4, 9, 64
+    if layout == "contiguous":
+        q = torch.randn(batch, heads, len_q, head_dim, dtype=dtype, device=device)
+    elif layout == "seq_major":
+        q = torch.randn(batch, len_q, heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    elif layout == "heads_first":
+        q = torch.randn(heads, batch, len_q, head_dim, dtype=dtype, device=device).transpose(0, 1)
+    elif layout == "size1_odd_stride":  # a stride no kernel could write: contiguous
+        len_q = 1
+        q = torch.randn(batch * heads * head_dim + 7, dtype=dtype, device=device)
+        q = q.as_strided((batch, heads, 1, head_dim), (heads * head_dim, head_dim, 7, 1))
+    else:
+        q = torch.randn(1, heads, len_q, head_dim, dtype=dtype, device=device).expand(batch, -1, -1, -1)
+    k, v = (torch.randn(batch, 2, 33, head_dim, dtype=dtype, device=device) for _ in range(2))
+    want = _output_like(q).stride()
+    out, lse = fwd(q, k, v, True)
+    assert out.stride() == want
+    assert_attention_close(out, lse, q, k, v, True)
+    cached, _ = flashattn_ext.flash_attn_with_kvcache(q, k, v, causal=True, return_lse=True)
+    assert cached.stride() == want
+    torch.testing.assert_close(cached, out)
+    if layout in ("contiguous", "size1_odd_stride", "expanded"):
+        assert out.is_contiguous()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -154,7 +188,9 @@ def test_output_properties(device, dtype):
     q, k, v = make_qkv(2, 4, 2, 70, 90, 64, dtype, device, layout="seq_major")
     out, lse = fwd(q, k, v, True)
     assert_output_properties(out, lse, q)
-    assert out.stride() == (4 * 70 * 64, 70 * 64, 64, 1) and lse.stride() == (4 * 70, 70, 1)
+    assert out.stride() == _output_like(q).stride()
+    # out in (B, L, H, D) memory as q: the caller's out.transpose(1, 2) is contiguous, no copy to view it back.
+    assert out.stride() == (70 * 4 * 64, 64, 4 * 64, 1) and lse.stride() == (4 * 70, 70, 1)
     assert flashattn_ext.flash_attn(q, k, v, causal=True).equal(out)
     out2, lse2 = flashattn_ext.flash_attn_with_lse(q, k, v, causal=True)
     assert out2.equal(out) and lse2.equal(lse)

@@ -318,25 +318,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
   cp_async_wait<0>();  // no query block at all: K/V copies may still be in flight
 
   // dK = scale * dS^T Q; dV = P^T dO. This CTA is the only writer of its keys' rows.
-  // Dense: (B, Hk, Lk, D); packed: (total_k, Hk, D).
-  T* dk_base = static_cast<T*>(p.dk) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
-  T* dv_base = static_cast<T*>(p.dv) + (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k * p.head_dim;
-  if (packed) {
-    dk_base = static_cast<T*>(p.dk) + (static_cast<int64_t>(row_k) * p.heads_kv + kv_head) * p.head_dim;
-    dv_base = static_cast<T*>(p.dv) + (static_cast<int64_t>(row_k) * p.heads_kv + kv_head) * p.head_dim;
-  }
+  // Their rows as K's: the batch entry's, or the sequence's from row_k.
+  T* const dk_base = static_cast<T*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
+                     static_cast<int64_t>(row_k) * p.dk_row_stride;
+  T* const dv_base = static_cast<T*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
+                     static_cast<int64_t>(row_k) * p.dv_row_stride;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = n_start + key_row0 + lane / 4 + 8 * half;
     if (key < len_k()) {
-      const int64_t row = static_cast<int64_t>(key) * (packed ? p.heads_kv * p.head_dim : p.head_dim);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const int col = dt * 8 + 2 * (lane % 4);
         if (col < p.head_dim) {
-          *reinterpret_cast<uint32_t*>(dk_base + row + col) =
+          *reinterpret_cast<uint32_t*>(dk_base + key * p.dk_row_stride + col) =
               pack2<T>(acc_dk[dt][2 * half] * p.scale, acc_dk[dt][2 * half + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(dv_base + row + col) = pack2<T>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(dv_base + key * p.dv_row_stride + col) =
+              pack2<T>(acc_dv[dt][2 * half], acc_dv[dt][2 * half + 1]);
         }
       }
     }

@@ -142,10 +142,11 @@ struct KeyBlock {
   // The queries and keys of its (batch, kv head) or sequence.
   __device__ int len_q(const BwdParams& p) const { return kSequences ? seq_len_q : p.len_q; }
   __device__ int len_k(const BwdParams& p) const { return kSequences ? seq_len_k : p.len_k; }
-  // Row `key`'s offset in dk and dv, in rows of D: (B, Hk, Lk, D), or (total_k, Hk, D) packed.
-  __device__ int64_t kv_row(int key, const BwdParams& p) const {
-    if constexpr (kSequences) return static_cast<int64_t>(k_offset + key) * p.heads_kv + kv_head;
-    return (static_cast<int64_t>(batch) * p.heads_kv + kv_head) * p.len_k + key;
+  // Row `key`'s element offset in dk or dv (its batch, head and row strides): in the batch entry, or packed
+  // (total_k, Hk, D) in the sequence's rows from k_offset.
+  __device__ int64_t kv_offset(int key, int64_t batch_stride, int64_t head_stride, int64_t row_stride) const {
+    const int64_t row = kSequences ? static_cast<int64_t>(k_offset) + key : key;
+    return (kSequences ? 0 : batch * batch_stride) + kv_head * head_stride + row * row_stride;
   }
   // The tensor map (BwdSeqMap) its TMA goes through, `dense` but for packed sequences, and the batch coordinate.
   __device__ const CUtensorMap* map(const CUtensorMap* dense, BwdSeqMap which, const BwdParams& p) const {
@@ -253,12 +254,16 @@ struct RowStats {
 };
 
 // kRows key rows (the block's keys first_row ..) of kHeadDim columns, staged in shared memory as 64-column sub-tiles
-// kSubTileStride elements apart ([kRows][64] each, 128-byte swizzle), to dk or dv (`dst`, rows at KeyBlock::kv_row):
-// 16 bytes a thread, consecutive threads along a row, so that each store instruction writes whole 128-byte lines; rows
-// past Lk and columns past the head dim are skipped. Thread `thread` of kThreads.
+// kSubTileStride elements apart ([kRows][64] each, 128-byte swizzle), to dk or dv (`value_grads`; rows at
+// KeyBlock::kv_offset): 16 bytes a thread, consecutive threads along a row, so that each store instruction writes whole
+// 128-byte lines; rows past Lk and columns past the head dim are skipped. Thread `thread` of kThreads.
 template <typename T, int kHeadDim, int kRows, int kThreads, int kSubTileStride, typename Block>
-__device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& block, const T* tile, void* dst,
+__device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& block, const T* tile, bool value_grads,
                                                int first_row, int thread) {
+  T* const dst = static_cast<T*>(value_grads ? p.dv : p.dk);
+  const int64_t batch_stride = value_grads ? p.dv_batch_stride : p.dk_batch_stride;
+  const int64_t head_stride = value_grads ? p.dv_head_stride : p.dk_head_stride;
+  const int64_t row_stride = value_grads ? p.dv_row_stride : p.dk_row_stride;
   constexpr int kChunks = kHeadDim / 8;  // per row
   static_assert(kRows * kChunks % kThreads == 0, "whole rounds of chunks");
 #pragma unroll
@@ -269,7 +274,7 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& p, const Block& 
     if (key < block.len_k(p) && chunk * 8 < p.head_dim) {
       const uint4 value = *reinterpret_cast<const uint4*>(tile + (chunk / 8) * kSubTileStride + row * 64 +
                                                           ((chunk % 8) ^ (row % 8)) * 8);
-      *reinterpret_cast<uint4*>(static_cast<T*>(dst) + block.kv_row(key, p) * p.head_dim + chunk * 8) = value;
+      *reinterpret_cast<uint4*>(dst + block.kv_offset(key, batch_stride, head_stride, row_stride) + chunk * 8) = value;
     }
   }
 }

@@ -525,8 +525,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     store_swizzled_tile<T, kHeadDim, 64 * 64>(dk_stage, dk, warp, lane, p.scale);
     store_swizzled_tile<T, kHeadDim, kDvStride>(dv_stage, dv, warp, lane);
     named_barrier_sync(BwdBarrier::epilogue(consumer), 128);
-    store_key_rows<T, kHeadDim, 64, 128, 64 * 64>(p, block, dk_stage, p.dk, 64 * consumer, thread);
-    store_key_rows<T, kHeadDim, 64, 128, kDvStride>(p, block, dv_stage, p.dv, 64 * consumer, thread);
+    store_key_rows<T, kHeadDim, 64, 128, 64 * 64>(p, block, dk_stage, false, 64 * consumer, thread);
+    store_key_rows<T, kHeadDim, 64, 128, kDvStride>(p, block, dv_stage, true, 64 * consumer, thread);
     if (!more) break;
     first_step += num_steps;
   }

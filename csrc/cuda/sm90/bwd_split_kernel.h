@@ -143,8 +143,8 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
   store_swizzled_tile<T, kCols, Traits::kSubTileKV>(smem.v + offset, dv, warp, lane);
   named_barrier_sync(barrier, 256);
   constexpr int kRows = Traits::kBlockN;
-  store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.k, p.dk, 0, threadIdx.x - 128);
-  store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.v, p.dv, 0, threadIdx.x - 128);
+  store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.k, false, 0, threadIdx.x - 128);
+  store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.v, true, 0, threadIdx.x - 128);
 }
 
 template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>

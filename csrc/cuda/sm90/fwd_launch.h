@@ -45,8 +45,8 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if (!make_qkv_maps(shape, kBf16, Traits::kBlockM / Traits::kQParts, Traits::kBlockN, &q_map, &k_map, &v_map)) {
     return cudaErrorNotSupported;
   }
-  // O in boxes of one warp's 16 rows, all its columns in one where the kernel stores them so (the output is ours,
-  // contiguous).
+  // O in boxes of one warp's 16 rows, all its columns in one where the kernel stores them so (the output is ours: its
+  // strides are multiples of 16 bytes).
   const bool o_mapped = Traits::o_one_store(shape.head_dim)
                             ? make_bhld_column_block_map(&o_map, shape.out, kBf16, shape.batch, shape.heads,
                                                          shape.len_q, shape.head_dim, shape.o_batch_stride,
