@@ -33,8 +33,9 @@ std::vector<int64_t> cuda_head_dims() {
 TORCH_LIBRARY(flashattn, m) {
   // What this build's CUDA kernels take (for callers that must know before a call, such as the SDPA provider).
   m.def("cuda_head_dims() -> int[]", &cuda_head_dims);
-  // q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) with H % Hk == 0. Returns out (q's shape and dtype) and
-  // lse (float32, (B, H, Lq), natural-log logsumexp of the scaled scores). causal is bottom-right aligned.
+  // q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) with H % Hk == 0. Returns out (q's shape and dtype, its memory order:
+  // api/layouts.h) and lse (float32, (B, H, Lq), natural-log logsumexp of the scaled scores). causal is bottom-right
+  // aligned.
   // window_size (left, right): query i sees key j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right (-1: unbounded
   // on that side; causal sets right = 0). softcap > 0 caps the scores: softcap * tanh(scale * q.k / softcap).
   // sinks: float32 (H,), one logit per query head in each row's softmax denominator, with no value row.
@@ -42,8 +43,9 @@ TORCH_LIBRARY(flashattn, m) {
       "fwd(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, int[2] window_size=[-1, -1], "
       "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   // Gradients of fwd given dout (and optionally dlse, the gradient flowing into lse, which ring/context-parallel
-  // attention needs). dq has q's shape, dk/dv k's and v's; all in the input dtype; dsinks is float32 (H,) with sinks,
-  // else empty. deterministic=True forbids order-dependent accumulation (bitwise-identical results across runs).
+  // attention needs). dq has q's shape and memory order, dk/dv k's and v's; all in the input dtype; dsinks is
+  // float32 (H,) with sinks, else empty. deterministic=True forbids order-dependent accumulation (bitwise-identical
+  // results across runs).
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal=False, float? scale=None, "
       "Tensor? dlse=None, bool deterministic=False, int[2] window_size=[-1, -1], float softcap=0.0, "

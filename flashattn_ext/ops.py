@@ -59,9 +59,10 @@ def flash_attn(
             no key returns zeros with ``lse = sink``. Differentiable.
 
     Any strides with ``stride(-1) == 1`` are used as given (no copy), e.g. transposed views of a packed
-    (B, L, 3, H, D) tensor. CUDA supports float16 and bfloat16 with ``D`` a multiple of 8 up to 256; CPU
-    supports float32, float64, float16 and bfloat16 with any ``D``. Under ``torch.autocast`` q, k and v are cast to
-    the autocast dtype first (float64 is left alone), as SDPA's are.
+    (B, L, 3, H, D) tensor; ``out`` (and in the backward ``dq``, ``dk``, ``dv``) comes in the memory order of its input
+    (``torch.empty_like``'s layout): (B, L, H, D) memory for such views. CUDA supports float16 and bfloat16 with
+    ``D`` a multiple of 8 up to 256; CPU supports float32, float64, float16 and bfloat16 with any ``D``. Under
+    ``torch.autocast`` q, k and v are cast to the autocast dtype first (float64 is left alone), as SDPA's are.
 
     A NaN reaches every row that sees it (a NaN in a query row, or in a key the row sees, makes that row's output and
     lse NaN); infinite scores follow softmax. A sequence's result is the same bits whatever else is in the batch.
@@ -177,7 +178,8 @@ def flash_attn_with_kvcache(
     On CUDA the lengths, left paddings and the block table are read on the device only (no host synchronisation; a
     captured CUDA graph replays with new lengths), so their values are not checked there: out-of-range ones give
     wrong rows (new rows past the cache are not written; pages are clamped into it), never an access outside the
-    tensors; the CPU checks them. Returns out (B, H, Lq, D), or (out, lse).
+    tensors; the CPU checks them. Returns out (B, H, Lq, D) in q's memory order (as :func:`flash_attn`), or
+    (out, lse).
     """
     out, lse = torch.ops.flashattn.fwd_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, list(window_size), softcap, sinks,
