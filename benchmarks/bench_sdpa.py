@@ -30,6 +30,10 @@ training step's attention). fwdbwd also times the backward alone (2.5x the forwa
 one forward) and reports it in the *_bwd_* columns. --deterministic runs everything under
 torch.use_deterministic_algorithms(True) (an SDPA backend without a deterministic backward then shows '-').
 
+--layout bshd times every implementation as a model calls it: q, k, v views of (B, L, H, D) projections (fwdbwd:
+their gradients flow back into (B, L, H * D) leaves), the output viewed back to (B, L, H * D); a copy wherever an
+output or gradient comes in another memory order. The default, bhsd, gives contiguous (B, H, L, D) tensors.
+
 --varlen runs benchmarks/bench_varlen.py (packed sequences against torch's varlen_attn) with the other arguments.
 
 --flash-provider NAME activates an SDPA flash provider (such as flashattn_ext itself) for the whole run, so that the
@@ -132,6 +136,7 @@ class ScoreMods:
 
 
 MODS = ScoreMods()  # set in main()
+LAYOUT = "bhsd"  # set in main(): "bshd" for the (B, L, H, D) memory a model's projections give
 PEERS = ("flex", "dense")  # implementations besides SDPA's backends, for runs with score modifications
 
 
@@ -296,26 +301,49 @@ def area_factor(impl: str, q, causal: bool) -> float:
     return dense / max(1, MODS.visible_pairs(length, length, causal))
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> the (B, L, H * D) rows a model's projection gives or takes (a copy unless in that order)."""
+    return t.transpose(1, 2).reshape(t.shape[0], t.shape[2], -1)
+
+
+def as_heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, L, H * D) rows -> the (B, H, L, D) view a model passes to attention."""
+    return rows.view(rows.shape[0], rows.shape[1], heads, -1).transpose(1, 2)
+
+
 def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
     """Mode 'fwd': the forward alone; its FLOPs are the forward FLOPs."""
-    return Timed(forward_callable(impl, q, k, v, causal), area_factor(impl, q, causal))
+    if LAYOUT == "bhsd":
+        return Timed(forward_callable(impl, q, k, v, causal), area_factor(impl, q, causal))
+    q, k, v = (as_heads(as_rows(t), t.shape[1]) for t in (q, k, v))
+    forward = forward_callable(impl, q, k, v, causal)
+    return Timed(lambda: as_rows(forward()), area_factor(impl, q, causal))
 
 
 def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
     """Mode 'fwdbwd': forward plus the gradients of q, k, v for a fixed random dout (a training step's attention),
     3.5x the forward's FLOPs; and the backward alone, through the graph of one forward kept for it."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    forward = forward_callable(impl, q, k, v, causal)
-    dout = torch.randn_like(q)
+    if LAYOUT == "bhsd":
+        leaves = inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        output = lambda out: out  # noqa: E731
+    else:  # the views stay in the graph of every step: their backward holds no tensors
+        leaves = [as_rows(t).detach().requires_grad_() for t in (q, k, v)]
+        inputs = [as_heads(rows, t.shape[1]) for rows, t in zip(leaves, (q, k, v))]
+        output = as_rows
+    attention = forward_callable(impl, *inputs, causal)
+    dout = output(torch.randn_like(q))
     kept = []
 
+    def forward():
+        return output(attention())
+
     def step():
-        return torch.autograd.grad(forward(), (q, k, v), dout)
+        return torch.autograd.grad(forward(), leaves, dout)
 
     def backward():
         if not kept:
             kept.append(forward())
-        return torch.autograd.grad(kept[0], (q, k, v), dout, retain_graph=True)
+        return torch.autograd.grad(kept[0], leaves, dout, retain_graph=True)
 
     return Timed(step, (1.0 + BACKWARD_FLOPS) * area_factor(impl, q, causal), backward,
                  area_factor(impl, q, causal))
@@ -675,6 +703,7 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
         dtypes=args.dtypes, mode=args.mode, deterministic=args.deterministic, timer=timer_name, rounds=args.rounds,
         naive_mem_gib=args.naive_mem_gib, score_mods=MODS.label,
         tokens=args.tokens, hidden=args.hidden, kv_heads=args.kv_heads, flash_provider=args.flash_provider,
+        layout=args.layout,
     )
 
 
@@ -896,6 +925,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window", help="L,R: a sliding window (-1: unbounded on that side)")
     parser.add_argument("--softcap", type=float, default=0.0, help="cap the scores: C * tanh(score / C)")
     parser.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
+    parser.add_argument("--layout", choices=["bhsd", "bshd"], default="bhsd",
+                        help="bshd: (B, L, H, D) views in, the output viewed back to (B, L, H * D), as a model")
     parser.add_argument("--varlen", action="store_true",
                         help="packed sequences against varlen_attn: runs bench_varlen.py with the other arguments")
     parser.add_argument("--flash-provider", metavar="NAME",
@@ -956,8 +987,8 @@ def main(argv=None) -> None:
         return
     args = parse_args(argv)
     dtypes = name_list(args.dtypes, DTYPES, "--dtypes")
-    global MODS
-    MODS = args.mods
+    global MODS, LAYOUT
+    MODS, LAYOUT = args.mods, args.layout
     backends = name_list(args.backends, [*SDPA_BACKENDS, *PEERS], "--backends")
     import_flashattn_ext()
     if args.flash_provider:
@@ -992,7 +1023,8 @@ def main(argv=None) -> None:
     with_bwd = args.mode == "fwdbwd"
     args.out.mkdir(parents=True, exist_ok=True)
     mods_tag = "_" + MODS.label.replace(", ", "_").replace(" ", "").replace(",", "-") if MODS.active else ""
-    stem = args.out / f"bench_sdpa_{args.device}_{args.mode}{mods_tag}{'_deterministic' if args.deterministic else ''}"
+    stem = args.out / (f"bench_sdpa_{args.device}_{args.mode}{mods_tag}{'_deterministic' if args.deterministic else ''}"
+                       f"{'_bshd' if args.layout == 'bshd' else ''}")
     records = [row_record(row, impls, backends, with_bwd) for row in rows]
     write_csv(stem.with_suffix(".csv"), records)
     write_json(stem.with_suffix(".json"), meta, rows, records)
