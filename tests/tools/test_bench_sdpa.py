@@ -95,6 +95,17 @@ def test_fwdbwd_reports_the_backward_alone_and_runs_deterministic(bench, tmp_pat
     assert meta["deterministic"] is True and meta["mode"] == "fwdbwd"
 
 
+def test_model_layout_runs_every_implementation(bench, tmp_path):
+    # --layout bshd: (B, L, H, D) views in, gradients into (B, L, H * D) leaves, GQA included.
+    bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--causal", "on", "--backends", "math",
+                "--tokens", "128", "--hidden", "128", "--kv-heads", "2", "--rounds", "1", "--no-plot",
+                "--out", str(tmp_path), "--mode", "fwdbwd", "--layout", "bshd"])
+    rows = list(csv.DictReader((tmp_path / "bench_sdpa_cpu_fwdbwd_bshd.csv").open()))
+    assert float(rows[0]["ours_ms"]) > 0 and float(rows[0]["math_bwd_tflops"]) > 0 and rows[0]["diff_ok"] == "True"
+    meta = json.loads((tmp_path / "bench_sdpa_cpu_fwdbwd_bshd.json").read_text())["metadata"]
+    assert meta["layout"] == "bshd"
+
+
 def test_kv_heads_run_gqa_rows_against_sdpa(bench, tmp_path):
     # --kv-heads: K/V with fewer heads (SDPA with enable_gqa, the naive path repeats them); a K/V head count that does
     # not divide H is refused.
