@@ -193,10 +193,12 @@ def flash_attn_with_kvcache(
 
 def _output_like(t):
     """An output in the layout of input `t`, as the kernels allocate it (csrc/api/layouts.h): torch.empty_like's strides
-    where the kernels can take them (the last 1, the others multiples of 8), else contiguous."""
+    where the kernels can take them (over the dimensions of more than one element: the last 1, the others multiples
+    of 8), else (and for an empty tensor) contiguous."""
     out = torch.empty_like(t)
-    strides = out.stride()
-    if len(strides) > 0 and strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1]):
+    last = t.dim() - 1
+    if t.numel() > 0 and all(s == 1 if d == last else s % 8 == 0
+                             for d, (n, s) in enumerate(zip(t.shape, out.stride())) if n > 1):
         return out
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 

@@ -153,9 +153,13 @@ def _sdpa_backward_unsupported(grad_out, query, key, value, out, logsumexp, cum_
 
 def _like(result: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     """`result` in the layout of torch.empty_like(template) (what aten's meta functions promise): as it is where the
-    strides agree, else copied."""
-    if result.stride() == template.stride():
+    strides agree (our ops lay outputs out so: no copy), restrided where they differ only on dimensions of one element
+    (which address nothing), else copied."""
+    want = torch.empty_like(template, device="meta").stride()
+    if result.stride() == want:
         return result
+    if all(have == need for have, need, size in zip(result.stride(), want, template.shape) if size > 1):
+        return result.as_strided(template.shape, want)
     return torch.empty_like(template).copy_(result)
 
 

@@ -155,6 +155,24 @@ def test_strided_inputs(device, dtype, causal, layout):
         torch.testing.assert_close(grad, want, **exact)
 
 
+def test_grads_follow_each_input_layout(device, dtype):
+    # dk follows k and dv follows v, each its own: k sequence-major, v heads-first, q contiguous (GQA, so that dq and
+    # dk differ in shape too).
+    batch, heads, heads_kv, len_q, len_k, head_dim = 2, 4, 2, 70, 90, 64
+    q = torch.randn(batch, heads, len_q, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, len_k, heads_kv, head_dim, dtype=dtype, device=device).transpose(1, 2)
+    v = torch.randn(heads_kv, batch, len_k, head_dim, dtype=dtype, device=device).transpose(0, 1)
+    grads, dout, _ = flash_grads(q, k, v, True)
+    assert_grad_layouts(grads, q, k, v)
+    assert grads[1].stride() == (len_k * heads_kv * 64, 64, heads_kv * 64, 1)
+    assert grads[2].stride() == (len_k * 64, batch * len_k * 64, 64, 1)
+    q_c, k_c, v_c = leaves(q, k.contiguous(), v.contiguous())
+    expected = torch.autograd.grad(flashattn_ext.flash_attn(q_c, k_c, v_c, True), (q_c, k_c, v_c), dout)
+    exact = dict(rtol=0, atol=0) if device == "cpu" else {}
+    for grad, want in zip(grads, expected):
+        torch.testing.assert_close(grad, want, **exact)
+
+
 def test_strided_op_arguments(device, dtype):
     # flashattn.bwd called directly with dout, out, lse and dlse all strided views: read as given (dlse too).
     q, k, v = make_qkv(2, 4, 2, 70, 90, 64, dtype, device, layout="seq_major")

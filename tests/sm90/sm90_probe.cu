@@ -465,7 +465,7 @@ torch::Tensor warpgroup_all_probe(torch::Tensor values) {
 struct ProbeKeyBlock {
   int n_start, len;
   __device__ int len_k(const flashattn::BwdParams&) const { return len; }
-  __device__ int64_t kv_row(int key, const flashattn::BwdParams&) const { return key; }
+  __device__ int64_t kv_offset(int key, int64_t, int64_t, int64_t row_stride) const { return key * row_stride; }
 };
 
 template <int kHeadDim, int kBlockN, bool kSplitColumns>
@@ -484,18 +484,20 @@ __global__ void __launch_bounds__(256) key_rows_probe_kernel(const float* values
   }
   flashattn::BwdParams p{};
   p.head_dim = head_dim;
+  p.dk = out;  // the rows of dK: out's
+  p.dk_row_stride = head_dim;
   const ProbeKeyBlock block{n_start, len_k};
   if constexpr (kSplitColumns) {
     flashattn::sm90::store_swizzled_tile<T, kCols, kBlockN * 64>(tile + (col0 / 64) * kBlockN * 64, acc, warp, lane,
                                                                   scale);
     __syncthreads();
-    flashattn::sm90::store_key_rows<T, kHeadDim, kBlockN, 256, kBlockN * 64>(p, block, tile, out, 0, threadIdx.x);
+    flashattn::sm90::store_key_rows<T, kHeadDim, kBlockN, 256, kBlockN * 64>(p, block, tile, false, 0, threadIdx.x);
   } else {
     constexpr int kStride = 2 * 64 * 64;
     T* const own = tile + consumer * 64 * 64;
     flashattn::sm90::store_swizzled_tile<T, kCols, kStride>(own, acc, warp, lane, scale);
     __syncthreads();
-    flashattn::sm90::store_key_rows<T, kHeadDim, 64, 128, kStride>(p, block, own, out, row0, threadIdx.x % 128);
+    flashattn::sm90::store_key_rows<T, kHeadDim, 64, 128, kStride>(p, block, own, false, row0, threadIdx.x % 128);
   }
 }
 
