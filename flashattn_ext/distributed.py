@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops import flash_attn_with_lse
+from .ops import _output_like, flash_attn_with_lse
 
 __all__ = ["ring_flash_attn", "zigzag_shard", "zigzag_unshard"]
 
@@ -156,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 ring.finish(pending)
                 kv = incoming
-        out = out.to(q.dtype)
+        out = _output_like(q).copy_(out)  # in q's dtype and memory order, as flash_attn's
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.options = (left, right, scale, softcap, group, layout)
         return out
@@ -210,7 +210,8 @@ class _RingAttention(torch.autograd.Function):
             (dk, dv), acc_pending = arriving
             ring.finish(acc_pending)
         dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks, None, None
+        dq, dk, dv = (_output_like(x).copy_(grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
+        return dq, dk, dv, None, None, None, None, dsinks, None, None
 
 
 def ring_flash_attn(

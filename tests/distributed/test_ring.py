@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 import flashattn_ext
 from flashattn_ext.distributed import ring_flash_attn, zigzag_shard, zigzag_unshard
+from flashattn_ext.ops import _output_like
 
 CASES = [  # (layout, causal, heads, heads_kv, window, softcap, sinks)
     ("contiguous", False, 2, 2, (-1, -1), 0.0, False),
@@ -31,7 +32,7 @@ def shard(x, layout, rank, world):
 def run_rank(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for layout, causal, heads, heads_kv, window, softcap, with_sinks in CASES:
+        for case, (layout, causal, heads, heads_kv, window, softcap, with_sinks) in enumerate(CASES):
             torch.manual_seed(0)  # the same whole tensors on every rank
             length, dim = 12 * world, 8
             q = torch.randn(2, heads, length, dim, dtype=torch.float64)
@@ -45,11 +46,18 @@ def run_rank(rank, world, init_file):
             ref = flashattn_ext.flash_attn(*whole, **mods, sinks=sinks)
             ref_grads = torch.autograd.grad(ref, whole, dout)
             # This rank's shard through the ring.
-            local = [shard(t, layout, rank, world).detach().requires_grad_() for t in (q, k, v)]
+            local = [shard(t, layout, rank, world).detach() for t in (q, k, v)]
+            if case % 2:  # sequence-major shards ((B, L, H, D) memory), as a model's projections give them
+                local = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in local]
+            local = [t.requires_grad_() for t in local]
             ring_sinks = sinks.clone().requires_grad_() if with_sinks else None
             out = ring_flash_attn(*local, layout=layout, **mods, sinks=ring_sinks)
             grads = torch.autograd.grad(out, local, shard(dout, layout, rank, world))
             what = f"{layout} {mods} H={heads} Hk={heads_kv} sinks={with_sinks} rank {rank}/{world}"
+            # out and the gradients in their inputs' memory order, as flash_attn's
+            assert out.stride() == _output_like(local[0]).stride(), what
+            for g, t in zip(grads, local):
+                assert g.stride() == _output_like(t).stride(), what
             # The partial results merge through lse, which is float32 by the op's contract: float32-sized tolerances
             # (a wrong block rule or a lost shard is off by O(1)).
             torch.testing.assert_close(out, shard(ref, layout, rank, world), atol=2e-6, rtol=2e-6,
