@@ -21,7 +21,8 @@ above the inputs (CUDA only) and a correctness check: our output's (and in fwdbw
 against a reference path on upcast inputs (SDPA's efficient backend on the GPU, math on the CPU, FlexAttention with
 score modifications), within 3x that path's own error in the input dtype (diff_ok).
 
-Outputs, in --out (default benchmarks/out/): bench_sdpa_<device>_<mode>.csv, .json (rows and metadata) and .png
+Outputs, in --out (default benchmarks/out/): bench_sdpa_<device>_<mode>[_<mods>][_deterministic][_bshd].csv, .json
+(rows and metadata) and .png
 (TFLOP/s against L, one panel per dtype, head dim and causal). The table and a summary are printed last.
 
 A timed quantity is a *mode*: a function make_fn(impl, q, k, v, causal) -> Timed registered in MODES: "fwd" (the
@@ -585,7 +586,9 @@ def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
         # FlexAttention compiles per configuration: one dynamo cache per row (its recompile limit, shared across
         # rows, would otherwise send later rows down flex's unfused path).
         torch._dynamo.reset()
-    check_correctness(row, q, k, v, args.mode == "fwdbwd", budget)
+    # Checked in the layout timed (the numbers are the same; the kernels' paths may not be).
+    views = [as_heads(as_rows(t), t.shape[1]) for t in (q, k, v)] if LAYOUT == "bshd" else (q, k, v)
+    check_correctness(row, *views, args.mode == "fwdbwd", budget)
     timed = list(impls)
     if "naive" in impls and config.score_bytes(q.element_size()) > budget:
         gib = config.score_bytes(q.element_size()) / 2**30

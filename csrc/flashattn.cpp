@@ -53,7 +53,7 @@ TORCH_LIBRARY(flashattn, m) {
   // Packed variable-length sequences: q (total_q, H, D), k and v (total_k, Hk, D); sequence b is rows
   // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] .. of k and v (int32 (B + 1,), from 0,
   // non-decreasing). Every rule of fwd holds per sequence. max_seqlen_* are hints (never needed for correctness).
-  // lse is float32 (H, total_q).
+  // out (and bwd_varlen's dq, dk, dv) contiguous; lse float32 (H, total_q).
   m.def(
       "fwd_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q=None, "
       "int? max_seqlen_k=None, bool causal=False, float? scale=None, int[2] window_size=[-1, -1], "

@@ -60,9 +60,10 @@ def flash_attn(
 
     Any strides with ``stride(-1) == 1`` are used as given (no copy), e.g. transposed views of a packed
     (B, L, 3, H, D) tensor; ``out`` (and in the backward ``dq``, ``dk``, ``dv``) comes in the memory order of its input
-    (``torch.empty_like``'s layout): (B, L, H, D) memory for such views. CUDA supports float16 and bfloat16 with
-    ``D`` a multiple of 8 up to 256; CPU supports float32, float64, float16 and bfloat16 with any ``D``. Under
-    ``torch.autocast`` q, k and v are cast to the autocast dtype first (float64 is left alone), as SDPA's are.
+    (``torch.empty_like``'s layout; contiguous where its strides would not be multiples of 8 elements): (B, L, H, D)
+    memory for such views. CUDA supports float16 and bfloat16 with ``D`` a multiple of 8 up to 256; CPU supports
+    float32, float64, float16 and bfloat16 with any ``D``. Under ``torch.autocast`` q, k and v are cast to the autocast
+    dtype first (float64 is left alone), as SDPA's are.
 
     A NaN reaches every row that sees it (a NaN in a query row, or in a key the row sees, makes that row's output and
     lse NaN); infinite scores follow softmax. A sequence's result is the same bits whatever else is in the batch.
@@ -125,11 +126,11 @@ def flash_attn_varlen(
             with each sequence's own L_q and L_k).
 
     Every rule of :func:`flash_attn` holds per sequence, and a sequence's result is the same bits whatever else is
-    packed with it. Any strides with ``stride(-1) == 1``. Differentiable in q, k, v and sinks (on CUDA the backward
-    takes head dims up to 128, above that on Hopper only; with deterministic algorithms its gradients are bitwise
-    reproducible and the same whatever else is packed). On CUDA the lengths are read on the device only (no host
-    synchronisation; CUDA graphs replay with new lengths), so cu_seqlens values are not checked there: ones that break
-    the rules give wrong rows, never an access outside the tensors.
+    packed with it. Any strides with ``stride(-1) == 1``; out (and the gradients) come contiguous. Differentiable in
+    q, k, v and sinks (on CUDA the backward takes head dims up to 128, above that on Hopper only; with deterministic
+    algorithms its gradients are bitwise reproducible and the same whatever else is packed). On CUDA the lengths are
+    read on the device only (no host synchronisation; CUDA graphs replay with new lengths), so cu_seqlens values are
+    not checked there: ones that break the rules give wrong rows, never an access outside the tensors.
 
     Returns:
         out: (total_q, H, D), the dtype of ``q``.

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace flashattn {

@@ -49,6 +49,23 @@ def test_head_dims_of_buckets_left_out_fall_back(monkeypatch):
         assert sdpa._tensors_unsupported(q, q, q) == reason, head_dim
 
 
+def test_results_reach_aten_in_its_layout_without_copies():
+    # _like: a result already in torch.empty_like(template)'s layout (our ops give one) is returned as it is; one that
+    # differs only on one-element dimensions is restrided, no copy; any other is copied into that layout.
+    template = torch.randn(2, 9, 4, 64).transpose(1, 2)  # SDPA's (B, H, L, D) view of (B, L, H, D) memory
+    ours = flashattn_ext.flash_attn(template, template, template)
+    assert sdpa._like(ours, template) is ours
+    decode = torch.randn(2, 1, 4, 64).transpose(1, 2)  # L = 1: strides that address nothing may differ
+    odd = torch.randn(2, 4, 1, 64)
+    assert odd.stride()[2] != torch.empty_like(decode).stride()[2]
+    like = sdpa._like(odd, decode)
+    assert like.data_ptr() == odd.data_ptr() and like.stride() == torch.empty_like(decode).stride()
+    contiguous = template.contiguous()
+    copied = sdpa._like(contiguous, template)
+    assert copied.data_ptr() != contiguous.data_ptr() and copied.stride() == template.stride()
+    assert torch.equal(copied, contiguous)
+
+
 @pytest.mark.skipif(not torch.ops.flashattn.cuda_head_dims(), reason="a CPU-only build registers no provider")
 def test_activation_is_harmless_on_cpu():
     q, k, v = make_qkv(1, 2, 2, 9, 9, 16, torch.float32, "cpu")

@@ -95,14 +95,24 @@ def test_fwdbwd_reports_the_backward_alone_and_runs_deterministic(bench, tmp_pat
     assert meta["deterministic"] is True and meta["mode"] == "fwdbwd"
 
 
-def test_model_layout_runs_every_implementation(bench, tmp_path):
-    # --layout bshd: (B, L, H, D) views in, gradients into (B, L, H * D) leaves, GQA included.
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_model_layout_times_and_checks_sequence_major_views(bench, tmp_path, monkeypatch, mode):
+    # --layout bshd: ours, math and naive get (B, L, H, D) views (GQA included), in the timing and in the check.
+    seen = []
+
+    def as_heads(rows, heads):
+        view = rows.view(rows.shape[0], rows.shape[1], heads, -1).transpose(1, 2)
+        seen.append(view.stride())
+        return view
+
+    monkeypatch.setattr(bench, "as_heads", as_heads)
     bench.main(["--device", "cpu", "--head-dims", "32", "--lengths", "64", "--causal", "on", "--backends", "math",
                 "--tokens", "128", "--hidden", "128", "--kv-heads", "2", "--rounds", "1", "--no-plot",
-                "--out", str(tmp_path), "--mode", "fwdbwd", "--layout", "bshd"])
-    rows = list(csv.DictReader((tmp_path / "bench_sdpa_cpu_fwdbwd_bshd.csv").open()))
-    assert float(rows[0]["ours_ms"]) > 0 and float(rows[0]["math_bwd_tflops"]) > 0 and rows[0]["diff_ok"] == "True"
-    meta = json.loads((tmp_path / "bench_sdpa_cpu_fwdbwd_bshd.json").read_text())["metadata"]
+                "--out", str(tmp_path), "--mode", mode, "--layout", "bshd"])
+    assert (64 * 4 * 32, 32, 4 * 32, 1) in seen and (64 * 2 * 32, 32, 2 * 32, 1) in seen  # q's and k / v's views
+    rows = list(csv.DictReader((tmp_path / f"bench_sdpa_cpu_{mode}_bshd.csv").open()))
+    assert float(rows[0]["ours_ms"]) > 0 and float(rows[0]["math_ms"]) > 0 and rows[0]["diff_ok"] == "True"
+    meta = json.loads((tmp_path / f"bench_sdpa_cpu_{mode}_bshd.json").read_text())["metadata"]
     assert meta["layout"] == "bshd"
 
 
