@@ -313,12 +313,11 @@ def as_heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def make_fwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
-    """Mode 'fwd': the forward alone; its FLOPs are the forward FLOPs."""
-    if LAYOUT == "bhsd":
-        return Timed(forward_callable(impl, q, k, v, causal), area_factor(impl, q, causal))
-    q, k, v = (as_heads(as_rows(t), t.shape[1]) for t in (q, k, v))
+    """Mode 'fwd': the forward alone (under --layout bshd, its output viewed back to rows); its FLOPs are the forward
+    FLOPs."""
     forward = forward_callable(impl, q, k, v, causal)
-    return Timed(lambda: as_rows(forward()), area_factor(impl, q, causal))
+    step = forward if LAYOUT == "bhsd" else lambda: as_rows(forward())
+    return Timed(step, area_factor(impl, q, causal))
 
 
 def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
@@ -327,7 +326,7 @@ def make_fwdbwd_fn(impl: str, q, k, v, causal: bool) -> Timed:
     if LAYOUT == "bhsd":
         leaves = inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         output = lambda out: out  # noqa: E731
-    else:  # the views stay in the graph of every step: their backward holds no tensors
+    else:  # q, k, v are views of rows (run_config); the views stay in every step's graph, their backward holds nothing
         leaves = [as_rows(t).detach().requires_grad_() for t in (q, k, v)]
         inputs = [as_heads(rows, t.shape[1]) for rows, t in zip(leaves, (q, k, v))]
         output = as_rows
@@ -586,9 +585,9 @@ def run_config(config: Config, impls: List[str], args, make_fn, timer) -> Row:
         # FlexAttention compiles per configuration: one dynamo cache per row (its recompile limit, shared across
         # rows, would otherwise send later rows down flex's unfused path).
         torch._dynamo.reset()
-    # Checked in the layout timed (the numbers are the same; the kernels' paths may not be).
-    views = [as_heads(as_rows(t), t.shape[1]) for t in (q, k, v)] if LAYOUT == "bshd" else (q, k, v)
-    check_correctness(row, *views, args.mode == "fwdbwd", budget)
+    if LAYOUT == "bshd":  # views of (B, L, H * D) rows, checked and timed as such
+        q, k, v = (as_heads(as_rows(t), t.shape[1]) for t in (q, k, v))
+    check_correctness(row, q, k, v, args.mode == "fwdbwd", budget)
     timed = list(impls)
     if "naive" in impls and config.score_bytes(q.element_size()) > budget:
         gib = config.score_bytes(q.element_size()) / 2**30
