@@ -3,6 +3,7 @@
 Usage (from the repository root, on a GPU):
     python benchmarks/bench_decode.py                    # H32/Hk8 and H32/Hk32, B 1/8/64, Lk 4k/32k/128k
     python benchmarks/bench_decode.py --batches 8 --lengths 32768 --heads-kv 8
+    python benchmarks/bench_decode.py --len-q 512 --causal   # a prefill chunk against the cache (TFLOP/s)
 
 Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
   plain     flashattn_ext.flash_attn on the whole cache (the dense op)
@@ -10,7 +11,9 @@ Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
   paged     the same over a paged cache (--page-size rows per page, pages in a random order)
   cudnn     scaled_dot_product_attention(enable_gqa=True), pinned to cuDNN
 With --append, kvcache and paged also write one new token per call (k, v given, cache_seqlens Lk - 1): a decoding
-step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time). Points
+step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time); with
+--len-q above 1 (a chunk of queries, the cache's last rows in the causal case: bottom-right), TFLOP/s instead (4 * B * H
+* D times the visible query-key pairs). cuDNN is left out of causal chunks (SDPA's causal mask is top-left). Points
 whose cache would exceed --max-cache-gib are skipped. A CSV row per point goes to --out.
 """
 from __future__ import annotations
@@ -31,17 +34,17 @@ from bench_sdpa import import_flashattn_ext, make_timer, round_order  # noqa: E4
 IMPLS = ["plain", "kvcache", "paged", "cudnn"]
 
 
-def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=False):
+def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=False, len_q=1, causal=False):
     dtype, device = torch.bfloat16, "cuda"
-    q = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
+    q = torch.randn(batch, heads, len_q, head_dim, dtype=dtype, device=device)
     k_cache, v_cache = (torch.randn(batch, heads_kv, length, head_dim, dtype=dtype, device=device) for _ in range(2))
-    seqlens = torch.full((batch,), length - (1 if append else 0), dtype=torch.int32, device=device)
-    new = [None, None]  # the token appended per call, with --append
+    seqlens = torch.full((batch,), length - (len_q if append else 0), dtype=torch.int32, device=device)
+    new = [None, None]  # the tokens appended per call, with --append
     if append:
-        new = [torch.randn(batch, heads_kv, 1, head_dim, dtype=dtype, device=device) for _ in range(2)]
+        new = [torch.randn(batch, heads_kv, len_q, head_dim, dtype=dtype, device=device) for _ in range(2)]
     fns = {
-        "plain": lambda: fa.flash_attn(q, k_cache, v_cache),
-        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens),
+        "plain": lambda: fa.flash_attn(q, k_cache, v_cache, causal=causal),
+        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens, causal=causal),
     }
     if length % page_size == 0:
         per_entry = length // page_size
@@ -53,7 +56,9 @@ def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=Fa
             paged[order] = cache.view(batch, heads_kv, per_entry, page_size, head_dim).transpose(1, 2).reshape(
                 -1, heads_kv, page_size, head_dim)
         fns["paged"] = lambda: fa.flash_attn_with_kvcache(q, pages[0], pages[1], *new, cache_seqlens=seqlens,
-                                                          block_table=block_table)
+                                                          block_table=block_table, causal=causal)
+    if causal and len_q > 1:
+        return fns
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -72,7 +77,9 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--max-cache-gib", type=float, default=40.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--append", action="store_true", help="kvcache and paged append one token per call")
+    parser.add_argument("--append", action="store_true", help="kvcache and paged append --len-q tokens per call")
+    parser.add_argument("--len-q", type=int, default=1, help="query rows per entry (above 1: a prefill chunk)")
+    parser.add_argument("--causal", action="store_true", help="causal, bottom-right (the chunk: the last rows)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = parser.parse_args(argv)
     import_flashattn_ext()  # the installed package, else the in-place build
@@ -80,14 +87,20 @@ def main(argv=None):
 
     timer, _ = make_timer("cuda")
     rows = []
-    print(f"{'Hk':>3} {'B':>3} {'Lk':>7} " + " ".join(f"{name + ' us':>11} {'TB/s':>5}" for name in IMPLS))
+    rate = "TB/s" if args.len_q == 1 else "TF/s"
+    print(f"{'Hk':>3} {'B':>3} {'Lk':>7} " + " ".join(f"{name + ' us':>11} {rate:>5}" for name in IMPLS))
     for heads_kv in map(int, args.heads_kv.split(",")):
         for batch in map(int, args.batches.split(",")):
             for length in map(int, args.lengths.split(",")):
                 cache_bytes = 2 * batch * heads_kv * length * args.head_dim * 2
                 if cache_bytes > args.max_cache_gib * 2**30:
                     continue
-                fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append)
+                fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append,
+                                args.len_q, args.causal)
+                pairs = args.len_q * length
+                if args.causal:  # bottom-right: row i sees length - len_q + i + 1 keys
+                    pairs -= args.len_q * (args.len_q - 1) // 2
+                flops = 4 * batch * args.heads * args.head_dim * pairs
                 times = {name: [] for name in fns}
                 for name, fn in list(fns.items()):
                     try:
@@ -98,13 +111,15 @@ def main(argv=None):
                 for round_index in range(args.rounds):
                     for name in round_order(list(fns), round_index):
                         times[name].append(timer(fns[name]))
-                row = dict(heads_kv=heads_kv, batch=batch, length=length)
+                row = dict(heads_kv=heads_kv, batch=batch, length=length, len_q=args.len_q, causal=args.causal)
                 cells = []
                 for name in IMPLS:
                     if name in times:
                         ms = statistics.median(times[name])
                         row[f"{name}_us"], row[f"{name}_tbs"] = round(ms * 1e3, 1), round(cache_bytes / ms / 1e9, 2)
-                        cells.append(f"{ms * 1e3:11.1f} {cache_bytes / ms / 1e9:5.2f}")
+                        row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
+                        value = cache_bytes / ms / 1e9 if args.len_q == 1 else flops / ms / 1e9
+                        cells.append(f"{ms * 1e3:11.1f} {value:5.{2 if args.len_q == 1 else 0}f}")
                     else:
                         cells.append(f"{'-':>11} {'-':>5}")
                 print(f"{heads_kv:3d} {batch:3d} {length:7d} " + " ".join(cells), flush=True)
