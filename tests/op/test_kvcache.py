@@ -77,7 +77,7 @@ def mods_for(name):
 
 @pytest.mark.parametrize("mods", list(MODS))
 @pytest.mark.parametrize("len_new", [0, 1, 4])
-@pytest.mark.parametrize("len_q", [1, 4])
+@pytest.mark.parametrize("len_q", [1, 4, 50])  # 50: a chunk of two query blocks, its first rows without keys
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dense_cache(dtype, len_q, len_new, mods):
     lengths = [0, 37, LMAX - len_new]  # an empty cache, a partial one, one that the append fills
