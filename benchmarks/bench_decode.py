@@ -14,7 +14,8 @@ With --append, kvcache and paged also write one new token per call (k, v given, 
 step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time); with
 --len-q above 1 (a chunk of queries, the cache's last rows in the causal case: bottom-right), TFLOP/s instead (4 * B * H
 * D times the visible query-key pairs). cuDNN is left out of causal chunks (SDPA's causal mask is top-left). Points
-whose cache would exceed --max-cache-gib are skipped. A CSV row per point goes to --out.
+whose cache would exceed --max-cache-gib are skipped. A CSV row per point goes to --out, and a bar chart of the rates
+(PNG, with matplotlib; --no-plot skips it). `bench_sdpa.py --mode decode` runs this script with its other arguments.
 """
 from __future__ import annotations
 
@@ -67,6 +68,31 @@ def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=Fa
     return fns
 
 
+def write_plot(path: Path, rows: list, rate: str) -> None:
+    """Grouped bars: per point (kv heads, batch, keys), each implementation's rate ("tbs" or "tflops" columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unit = "TB/s of K/V" if rate == "tbs" else "TFLOP/s"
+    impls = [name for name in IMPLS if any(f"{name}_{rate}" in row for row in rows)]
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(min(14.0, 2.0 + 0.2 * len(rows) * max(1, len(impls))), 3.8))
+    for i, name in enumerate(impls):
+        xs = [x + (i - (len(impls) - 1) / 2) * width for x in range(len(rows))]
+        ax.bar(xs, [row.get(f"{name}_{rate}", 0.0) for row in rows], width, label=name,
+               color="tab:gray" if name == "cudnn" else None)
+    labels = [f"Hk{row['heads_kv']} B{row['batch']}\n{row['length'] // 1024}k" for row in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel(unit)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,64")
@@ -81,6 +107,7 @@ def main(argv=None):
     parser.add_argument("--len-q", type=int, default=1, help="query rows per entry (above 1: a prefill chunk)")
     parser.add_argument("--causal", action="store_true", help="causal, bottom-right (the chunk: the last rows)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = parser.parse_args(argv)
     import_flashattn_ext()  # the installed package, else the in-place build
     import flashattn_ext as fa
@@ -131,6 +158,11 @@ def main(argv=None):
         writer = csv.DictWriter(f, fieldnames=sorted({key for row in rows for key in row}, key=str))
         writer.writeheader()
         writer.writerows(rows)
+    if not args.no_plot and rows:
+        try:
+            write_plot(args.out / "bench_decode.png", rows, "tbs" if args.len_q == 1 else "tflops")
+        except ImportError:
+            print("matplotlib is missing: no plot")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ torch.use_deterministic_algorithms(True) (an SDPA backend without a deterministi
 their gradients flow back into (B, L, H * D) leaves), the output viewed back to (B, L, H * D); a copy wherever an
 output or gradient comes in another memory order. The default, bhsd, gives contiguous (B, H, L, D) tensors.
 
---varlen runs benchmarks/bench_varlen.py (packed sequences against torch's varlen_attn) with the other arguments.
+--varlen runs benchmarks/bench_varlen.py (packed sequences against torch's varlen_attn) with the other arguments,
+--mode decode benchmarks/bench_decode.py (decoding against a KV cache, against cuDNN).
 
 --flash-provider NAME activates an SDPA flash provider (such as flashattn_ext itself) for the whole run, so that the
 `flash` column times SDPA's flash backend through it.
@@ -923,7 +924,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="smallest L counted in the summary (default 1024 on GPU, 256 on CPU)")
     parser.add_argument("--mode", choices=sorted(MODES), default="fwd",
                         help="fwd: forward only; fwdbwd: forward + backward (3.5x forward FLOPs), and the backward "
-                             "alone (2.5x)")
+                             "alone (2.5x); decode: bench_decode.py with the other arguments")
     parser.add_argument("--window", help="L,R: a sliding window (-1: unbounded on that side)")
     parser.add_argument("--softcap", type=float, default=0.0, help="cap the scores: C * tanh(score / C)")
     parser.add_argument("--sinks", action="store_true", help="one learnable sink logit per head")
@@ -986,6 +987,13 @@ def main(argv=None) -> None:
         from bench_varlen import main as varlen_main
 
         varlen_main([a for a in argv if a != "--varlen"])
+        return
+    decode = ["--mode", "decode"]
+    at = next((i for i in range(len(argv)) if argv[i : i + 2] == decode or argv[i] == "--mode=decode"), None)
+    if at is not None:  # decoding against a KV cache: bench_decode.py takes the other arguments
+        from bench_decode import main as decode_main
+
+        decode_main(argv[:at] + argv[at + (1 if argv[at] == "--mode=decode" else 2) :])
         return
     args = parse_args(argv)
     dtypes = name_list(args.dtypes, DTYPES, "--dtypes")

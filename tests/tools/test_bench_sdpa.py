@@ -151,6 +151,24 @@ def test_varlen_lengths_and_plot(tmp_path):
     assert (tmp_path / "varlen.png").stat().st_size > 0
 
 
+def test_decode_mode_and_plot(bench, monkeypatch, tmp_path):
+    # bench_sdpa.py --mode decode hands the other arguments to bench_decode.py, whose bar chart is written.
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_decode
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    seen = []
+    monkeypatch.setattr(bench_decode, "main", seen.append)
+    bench.main(["--batches", "8", "--mode", "decode", "--rounds", "2"])
+    bench.main(["--mode=decode", "--len-q", "4"])
+    assert seen == [["--batches", "8", "--rounds", "2"], ["--len-q", "4"]]
+    pytest.importorskip("matplotlib")
+    rows = [dict(heads_kv=8, batch=b, length=4096, kvcache_tbs=2.0 * b, cudnn_tbs=2.1 * b) for b in (1, 8)]
+    bench_decode.write_plot(tmp_path / "decode.png", rows, "tbs")
+    assert (tmp_path / "decode.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("bug", ["none", "scale", "gradient"])
 def test_the_correctness_check_can_fail(bench, monkeypatch, bug):
     # The rule (3x the reference path's own error in the input dtype) catches a 5% scale error in the output and, in
