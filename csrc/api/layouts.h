@@ -4,8 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/ExpandUtils.h>
+#include <c10/util/strides.h>
 
-#include <algorithm>
 #include <vector>
 
 namespace flashattn {
@@ -25,13 +25,8 @@ inline std::vector<int64_t> output_strides_like(const at::Tensor& t) {
     if (t.size(d) > 1) usable = usable && (d + 1 == t.dim() ? strides[d] == 1 : strides[d] % 8 == 0);
   }
   if (usable) return strides;
-  std::vector<int64_t> contiguous(t.dim());
-  int64_t stride = 1;
-  for (int64_t d = t.dim() - 1; d >= 0; --d) {
-    contiguous[d] = stride;
-    stride *= std::max<int64_t>(t.size(d), 1);
-  }
-  return contiguous;
+  const c10::DimVector contiguous = c10::contiguous_strides(t.sizes());
+  return {contiguous.begin(), contiguous.end()};
 }
 
 // An uninitialised tensor shaped and laid out as output_strides_like(t) (CPU; CUDA allocates without the
