@@ -114,8 +114,9 @@ def main(argv=None):
 
     timer, _ = make_timer("cuda")
     rows = []
-    rate = "TB/s" if args.len_q == 1 else "TF/s"
-    print(f"{'Hk':>3} {'B':>3} {'Lk':>7} " + " ".join(f"{name + ' us':>11} {rate:>5}" for name in IMPLS))
+    # The rate printed and plotted: K/V bytes per second for decoding, FLOP/s for a chunk of queries.
+    rate, label, decimals = ("tbs", "TB/s", 2) if args.len_q == 1 else ("tflops", "TF/s", 0)
+    print(f"{'Hk':>3} {'B':>3} {'Lk':>7} " + " ".join(f"{name + ' us':>11} {label:>5}" for name in IMPLS))
     for heads_kv in map(int, args.heads_kv.split(",")):
         for batch in map(int, args.batches.split(",")):
             for length in map(int, args.lengths.split(",")):
@@ -143,10 +144,10 @@ def main(argv=None):
                 for name in IMPLS:
                     if name in times:
                         ms = statistics.median(times[name])
-                        row[f"{name}_us"], row[f"{name}_tbs"] = round(ms * 1e3, 1), round(cache_bytes / ms / 1e9, 2)
-                        row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
-                        value = cache_bytes / ms / 1e9 if args.len_q == 1 else flops / ms / 1e9
-                        cells.append(f"{ms * 1e3:11.1f} {value:5.{2 if args.len_q == 1 else 0}f}")
+                        rates = {"tbs": cache_bytes / ms / 1e9, "tflops": flops / ms / 1e9}
+                        row[f"{name}_us"] = round(ms * 1e3, 1)
+                        row[f"{name}_tbs"], row[f"{name}_tflops"] = round(rates["tbs"], 2), round(rates["tflops"], 1)
+                        cells.append(f"{ms * 1e3:11.1f} {rates[rate]:5.{decimals}f}")
                     else:
                         cells.append(f"{'-':>11} {'-':>5}")
                 print(f"{heads_kv:3d} {batch:3d} {length:7d} " + " ".join(cells), flush=True)
@@ -160,7 +161,7 @@ def main(argv=None):
         writer.writerows(rows)
     if not args.no_plot and rows:
         try:
-            write_plot(args.out / "bench_decode.png", rows, "tbs" if args.len_q == 1 else "tflops")
+            write_plot(args.out / "bench_decode.png", rows, rate)
         except ImportError:
             print("matplotlib is missing: no plot")
 
