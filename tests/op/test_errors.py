@@ -122,7 +122,7 @@ def test_cuda_unsupported_dtype(dtype):
 @pytest.mark.parametrize("head_dim", [4, 20, 100, 264, 512])
 def test_cuda_unsupported_head_dim(head_dim):
     # CUDA: D a multiple of 8 up to 256.
-    with raises("head dim"):
+    with raises("on CUDA the head dim must be a multiple of 8 and at most 256"):
         fwd(*qkv("cuda", head_dim=head_dim))
 
 

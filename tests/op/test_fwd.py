@@ -14,6 +14,7 @@ from reference import (
     assert_attention_close,
     assert_output_properties,
     make_qkv,
+    reference_dtype,
     repeat_kv,
     visible_mask,
 )
@@ -231,9 +232,10 @@ def test_output_properties(device, dtype):
 
 
 def buggy_attention(q, k, v, causal, scale, bug):
-    """The float32 reference with one deliberate bug, out cast to the input dtype (what a broken kernel returns)."""
+    """The reference (float64 for float64 inputs, else float32) with one deliberate bug ("none": without one), out cast
+    to the input dtype and lse to float32 (what a broken kernel returns)."""
     len_q, len_k, heads = q.shape[2], k.shape[2], q.shape[1]
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf = (t.to(reference_dtype(q.dtype)) for t in (q, k, v))
     if bug == "scale":  # 10% off
         scale = 1.1 * scale
     if bug == "gqa_modulo":  # query head h reads kv head h % Hk instead of h // (H / Hk)
@@ -252,7 +254,7 @@ def buggy_attention(q, k, v, causal, scale, bug):
     if bug == "lse_log2":  # base-2 logsumexp
         lse = lse / math.log(2)
     out = torch.softmax(scores, -1).nan_to_num(0.0) @ vf
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse.float()
 
 
 @pytest.mark.dtypes(cpu=list(OUT_FLOOR), cuda=[])
@@ -263,6 +265,14 @@ def test_checker_rejects_bugs(device, dtype, bug):
     out, lse = buggy_attention(q, k, v, causal, 1 / 8, bug)
     with pytest.raises(AssertionError, match="lse|max abs error"):
         assert_attention_close(out, lse, q, k, v, causal, 1 / 8)
+
+
+@pytest.mark.dtypes(cpu=list(OUT_FLOOR), cuda=[])
+def test_checker_accepts_reference(device, dtype):
+    # The bugs above are what fails the rule: the same code without one passes it.
+    q, k, v = make_qkv(1, 4, 2, 65, 97, 64, dtype, device)
+    out, lse = buggy_attention(q, k, v, True, 1 / 8, "none")
+    assert_attention_close(out, lse, q, k, v, True, 1 / 8)
 
 
 # ---- CUDA only --------------------------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ def assert_paged_matches_dense(q, caches, pages, block_table, k, v, seqlens, pag
     for b, n in enumerate(seqlens.tolist()):
         for t in range(k.shape[2]):
             page, offset = int(block_table[b, (n + t) // page_size]), (n + t) % page_size
-            assert torch.equal(pages[0][page, :, offset], k[b, :, t])
+            for cache, new in ((pages[0], k), (pages[1], v)):
+                assert torch.equal(cache[page, :, offset], new[b, :, t])
 
 
 @pytest.mark.parametrize("page_size", [16, 32, 96])
@@ -167,6 +168,7 @@ def test_paged_cache_in_token_major_layout():
     assert torch.isfinite(want).all() and torch.equal(got, want)
     # The same appends landed in both caches (spare pages hold NaN).
     torch.testing.assert_close(k_tok.transpose(1, 2), k_pages, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_tok.transpose(1, 2), v_pages, rtol=0, atol=0, equal_nan=True)
 
 
 def test_against_reference():
@@ -236,7 +238,7 @@ def test_compile_fullgraph():
     eager_caches = (k_cache.clone(), v_cache.clone())
     want = step(q, *eager_caches, k, v)
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k_cache, v_cache, k, v)
-    assert torch.equal(got, want) and torch.equal(k_cache, eager_caches[0])
+    assert torch.equal(got, want) and torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
 
 
 def test_opcheck():
@@ -253,6 +255,7 @@ def test_opcheck():
     "change,message",
     [
         (dict(cache_seqlens=torch.tensor([0, 1], dtype=torch.int32)), r"cache_seqlens must be int32 of shape \(B,\)"),
+        (dict(cache_seqlens=torch.tensor([0, 1, 2], dtype=torch.int64)), r"cache_seqlens must be int32"),
         (dict(v=None), "k and v must be given together"),
         (dict(block_table=torch.zeros(3, 2, dtype=torch.int64)), "block_table must be int32"),
         (dict(k=torch.randn(B, HK, 1, 8)), r"k must have shape \(B, Hk, Lnew, D\)"),
@@ -272,7 +275,7 @@ def test_opcheck():
               block_table=torch.arange(B * 6, dtype=torch.int32).view(B, 6),
               cache_leftpad=torch.zeros(B, dtype=torch.int32)), "cache_leftpad takes a dense cache"),
     ],
-    ids=["seqlens-shape", "k-alone", "table-dtype", "k-shape", "no-pages", "negative-splits",
+    ids=["seqlens-shape", "seqlens-dtype", "k-alone", "table-dtype", "k-shape", "no-pages", "negative-splits",
          "empty-pages", "lnew-over-capacity", "cache-stride", "softcap", "window", "sinks", "leftpad-dtype",
          "leftpad-paged"],
 )

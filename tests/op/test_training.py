@@ -1,10 +1,12 @@
 """End to end: a tiny causal language model trained with flash_attn follows, step by step, the same model trained
-with SDPA from the same initial weights (forward, backward and AdamW updates all have to agree)."""
+with SDPA from the same initial weights (forward, backward and AdamW updates all have to agree), and its first step's
+gradients are as close to SDPA's as SDPA's own math backend is."""
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext
 from reference import repeat_kv
@@ -46,20 +48,35 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm_out(x))
 
 
+def next_token_loss(model, tokens, autocast_dtype):
+    with torch.autocast(tokens.device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
 def train(model, tokens, steps, autocast_dtype=None):
     """Next-token prediction with AdamW; returns the loss of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    device_type = tokens.device.type
     losses = []
     for _ in range(steps):
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss = next_token_loss(model, tokens, autocast_dtype)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def first_step_grads(model, tokens, autocast_dtype):
+    """Every parameter's gradient of the first step, flattened (float32); the model is left without gradients."""
+    next_token_loss(model, tokens, autocast_dtype).backward()
+    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def relative_error(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
@@ -70,6 +87,18 @@ def test_training_matches_sdpa(device, dtype, heads_kv):
     sdpa_model.attention = "sdpa"
     tokens = torch.randint(0, 97, (4, 49), device=device)
     autocast_dtype = None if dtype == torch.float32 else dtype  # float32 master weights, bf16 matmuls/attention
+
+    # The losses at random weights barely depend on the attention (hiding each row's diagonal key moves them by 0.35%
+    # under bf16); the first step's gradients move by 7%, 30x the distance of SDPA's math backend from its default.
+    math_model = copy.deepcopy(sdpa_model)
+    with sdpa_kernel(SDPBackend.MATH):
+        math_grads = first_step_grads(math_model, tokens, autocast_dtype)
+    sdpa_grads = first_step_grads(sdpa_model, tokens, autocast_dtype)
+    flash_grads = first_step_grads(flash_model, tokens, autocast_dtype)
+    noise = relative_error(math_grads, sdpa_grads)
+    floor = 1e-5 if dtype == torch.float32 else 1e-3
+    error = relative_error(flash_grads, sdpa_grads)
+    assert error <= 3 * noise + floor, f"gradients {error:.2e} from SDPA's, its math backend's {noise:.2e}"
 
     flash_losses = train(flash_model, tokens, 8, autocast_dtype)
     sdpa_losses = train(sdpa_model, tokens, 8, autocast_dtype)
