@@ -34,19 +34,36 @@ def backward_each(cases):
     return [getattr(torch.ops.flashattn, op)(*args, **kwargs)[:3] for op, args, kwargs in cases]
 
 
-def calls_each(cases):
-    """cases: [(name of a flashattn_ext function, args, kwargs)] -> ([its result], {kernel name: the shared memory its
-    launches had, as the profiler reports it})."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        results = [getattr(flashattn_ext, name)(*args, **kwargs) for name, args, kwargs in cases]
-        torch.cuda.synchronize()
+def launches(prof, arg):
+    """{kernel name: the values of `arg` ("shared memory", "grid", ...) its launches had} from a CUDA profile."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(trace)
         with open(trace) as f:
             events = json.load(f)["traceEvents"]
-    shared = {}
+    values = {}
     for event in events:
-        if event.get("cat") == "kernel" and "shared memory" in event.get("args", {}):
-            shared.setdefault(event["name"], set()).add(event["args"]["shared memory"])
-    return results, shared
+        if event.get("cat") == "kernel" and arg in event.get("args", {}):
+            value = event["args"][arg]
+            values.setdefault(event["name"], set()).add(tuple(value) if isinstance(value, list) else value)
+    return values
+
+
+def profiled(run, cases, arg):
+    """(run(cases), launches(its profile, arg))."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        results = run(cases)
+        torch.cuda.synchronize()
+    return results, launches(prof, arg)
+
+
+def calls_each(cases):
+    """cases: [(name of a flashattn_ext function, args, kwargs)] -> ([its result], {kernel name: the shared memory its
+    launches had, as the profiler reports it})."""
+    return profiled(lambda cases: [getattr(flashattn_ext, name)(*args, **kwargs) for name, args, kwargs in cases],
+                    cases, "shared memory")
+
+
+def backward_grids(cases):
+    """backward_each(cases) and {kernel name: the grids (x, y, z) its launches had}."""
+    return profiled(backward_each, cases, "grid")

@@ -117,9 +117,16 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
     from reference import assert_grads_close
 
     cases = small_grid_cases()
-    runs = {ctas: run_isolated(dict({"FLASHATTN_BWD_SM90": "strict"}, **({"FLASHATTN_BWD_CTAS": ctas} if ctas else {})),
-                               "cuda_kernels.schedule_runs", "backward_each", [c[:3] for c in cases])
-            for ctas in ("", "3")}
+    runs, grids = {}, {}
+    for ctas in ("", "3"):
+        env = dict({"FLASHATTN_BWD_SM90": "strict"}, **({"FLASHATTN_BWD_CTAS": ctas} if ctas else {}))
+        runs[ctas], grids[ctas] = run_isolated(env, "cuda_kernels.schedule_runs", "backward_grids",
+                                               [c[:3] for c in cases])
+    # The switch took: every launch of the Hopper backward had 3 CTAs with it, and some had more without.
+    kernels = [name for name in grids["3"] if "flash_bwd_sm90_kernel" in name]
+    assert kernels and all(grid[0] == 3 for name in kernels for grid in grids["3"][name])
+    assert any(grid[0] > 3 for name, launched in grids[""].items() if "flash_bwd_sm90_kernel" in name
+               for grid in launched)
     for (op, args, kwargs, ordered), default, small in zip(cases, runs[""], runs["3"]):
         for name, a, b in zip(("dq", "dk", "dv"), default, small):
             if ordered or name != "dq":
@@ -159,6 +166,8 @@ def test_cuda_grads_in_input_layouts(env):
     # (B, L, H, D) memory) with the numbers contiguous inputs give: plain, band, ordered dQ, D256 (sm80: chunked).
     from isolated import run_isolated
 
+    if not env and torch.cuda.get_device_capability() == (9, 0):
+        env = {"FLASHATTN_BWD_SM90": "strict"}  # the default there is the Hopper kernel: not a silent fallback
     cases, inputs = [], []
     for head_dim, heads_kv, mods in ((64, 2, {}), (128, 4, {"window_size": (64, 0)}),
                                      (128, 2, {"deterministic": True}), (256, 2, {})):

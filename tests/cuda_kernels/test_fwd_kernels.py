@@ -222,17 +222,34 @@ def test_cuda_turned_back_key_blocks(head_dim, len_q, len_k, sign, growth, causa
     # dominates each row that sees it, and the blocks before it are turned back by the Hopper forward's optimistic
     # exponentials (softmax.h, ExpPolicy::kOptimistic: S computed again, then the max-based update; at growth 1.0 after
     # overflowing to inf). The shapes reach every kernel: D64 with three consumers, D128 (128-key blocks at every
-    # length; causal at 5000 keys, where an earlier kernel took 176-key blocks) and the stream-K tail (12 key blocks or
-    # more; at 2100 keys 360 tiles on 132 SMs, the last 228 split), D256 with 64-key (512 keys without a mask) and
-    # 80-key blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads interleave. A
-    # negative scale takes the negated scores through the same path.
+    # length; causal at 5000 keys, where an earlier kernel took 176-key blocks), D256 with 64-key (512 keys without a
+    # mask) and 80-key blocks; 24 heads give every CTA several tiles, so the held K stages and the next tiles' loads
+    # interleave. A negative scale takes the negated scores through the same path.
+    run_and_check(*turned_back_inputs(head_dim, len_q, len_k, sign, growth, dtype), causal, sign / math.sqrt(head_dim))
+
+
+def turned_back_inputs(head_dim, len_q, len_k, sign, growth, dtype):
+    """test_cuda_turned_back_key_blocks' q, k, v: 24 heads, scores peaking at 60% of the keys."""
     heads = 24
     q, k, v = make_qkv(1, heads, heads // 2, len_q, len_k, head_dim, torch.float32, "cuda")
-    scale = sign / math.sqrt(head_dim)
     keys = torch.arange(len_k, device="cuda", dtype=torch.float32)
     peak = int(0.6 * len_k)
-    q, k = steer_scores(q, k, growth * (peak - (keys - peak).abs()), scale)
-    run_and_check(*(t.to(dtype) for t in (q, k, v)), causal, scale)
+    q, k = steer_scores(q, k, growth * (peak - (keys - peak).abs()), sign / math.sqrt(head_dim))
+    return tuple(t.to(dtype) for t in (q, k, v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_turned_back_key_blocks_in_split_tiles(dtype):
+    # The same scores through the stream-K tail (forced: by default the forward runs whole tiles), whose split tiles'
+    # parts each turn blocks back and merge by their own maxima: at 2100 keys 360 tiles on 132 SMs, the last 228 split.
+    cases = []
+    for sign in (1, -1):
+        for growth in (0.05, 1.0):
+            cases.append((*turned_back_inputs(128, 1900, 2100, sign, growth, dtype), False, sign / math.sqrt(128)))
+    results = run_isolated({"FLASHATTN_FWD_SCHEDULE": "stream-k"}, "cuda_kernels.schedule_runs", "forward_each", cases)
+    for (q, k, v, causal, scale), (out, lse, _) in zip(cases, results):
+        assert_attention_close(out, lse, q, k, v, causal, scale)
 
 
 @pytest.mark.cuda
@@ -363,7 +380,9 @@ def causal_runs():
 @pytest.mark.parametrize("case", list(CAUSAL_CASES))
 def test_cuda_causal_schedules_agree(causal_runs, case, head_dim):
     # On Hopper the causal tiles are handed out in static zigzag rounds or from a counter. A tile's result must not
-    # depend on the CTA that computed it: both schedules give correct, bit-identical outputs over several rounds.
+    # depend on the CTA that computed it: both schedules give correct, bit-identical outputs over several rounds. (Where
+    # zigzag rounds do not apply, half the cases on 132 SMs, the default is the counter: the two runs then show that it
+    # gives the same bits twice, whichever CTA takes a tile.)
     (q, k, v, _, _), (out, lse, auto_allocations), (out_counter, lse_counter, counter_allocations) = causal_runs[
         case, head_dim]
     assert_attention_close(out, lse, q, k, v, causal=True)
