@@ -216,6 +216,21 @@ def test_a_padding_mask_is_read_once_per_forward(name, monkeypatch):
     assert 1 <= first <= 2 and len(reads) == 2 * first, reads
 
 
+def test_bidirectional_sliding_window_is_transformers_mask():
+    # An encoder's sliding window (is_causal False) keeps the keys within it on both sides, as transformers' own
+    # bidirectional overlay does (|q - kv| <= W); the causal language models above never take this branch.
+    overlay = getattr(transformers.masking_utils, "sliding_window_bidirectional_overlay", None)
+    if overlay is None:
+        pytest.skip("this transformers has no bidirectional sliding window")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 20, 16) for _ in range(3))
+    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=3, is_causal=False)
+    allowed = overlay(3)
+    mask = torch.tensor([[bool(allowed(0, 0, i, j)) for j in range(20)] for i in range(20)])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 def test_dropout_in_training_raises():
     config = transformers.LlamaConfig(**TINY, attention_dropout=0.1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=fa_hf.NAME).train()
