@@ -112,11 +112,10 @@ def test_head_dims(device, dtype, causal, head_dim):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.dtypes(cpu=[])  # the CPU backward is covered at these sizes by the tests above
 def test_head_dims_across_many_blocks(device, dtype, causal, head_dim):
     # The head dims of the Hopper backward kernels, with GQA and several key and query blocks of ragged length,
     # Lq > Lk and Lq < Lk: their multi-step pipelines, the GQA walk and the diagonal masks.
-    if device == "cpu":
-        pytest.skip("the CPU backward is covered at these sizes by the tests above")
     q, k, v = make_qkv(1, 4, 2, 300, 513, head_dim, dtype, device)
     run_and_check(q, k, v, causal, with_lse=True)
     q, k, v = make_qkv(2, 2, 1, 1025, 200, head_dim, dtype, device)
