@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdpa import import_flashattn_ext, make_timer, round_order  # noqa: E402
+from bench_sdpa import ScoreMods, import_flashattn_ext, make_timer, round_order  # noqa: E402
 
 IMPLS = ["plain", "kvcache", "paged", "cudnn"]
 
@@ -125,10 +125,9 @@ def main(argv=None):
                     continue
                 fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append,
                                 args.len_q, args.causal)
-                pairs = args.len_q * length
-                if args.causal:  # bottom-right: row i sees length - len_q + i + 1 keys
-                    pairs -= args.len_q * (args.len_q - 1) // 2
-                flops = 4 * batch * args.heads * args.head_dim * pairs
+                # bottom-right causal: row i sees length - len_q + i + 1 keys, or none
+                flops = 4 * batch * args.heads * args.head_dim * ScoreMods().visible_pairs(args.len_q, length,
+                                                                                           args.causal)
                 times = {name: [] for name in fns}
                 for name, fn in list(fns.items()):
                     try:
@@ -139,7 +138,9 @@ def main(argv=None):
                 for round_index in range(args.rounds):
                     for name in round_order(list(fns), round_index):
                         times[name].append(timer(fns[name]))
-                row = dict(heads_kv=heads_kv, batch=batch, length=length, len_q=args.len_q, causal=args.causal)
+                row = dict(heads=args.heads, heads_kv=heads_kv, head_dim=args.head_dim, dtype="bf16", batch=batch,
+                           length=length, len_q=args.len_q, causal=args.causal, append=args.append,
+                           page_size=args.page_size)
                 cells = []
                 for name in IMPLS:
                     if name in times:

@@ -205,8 +205,8 @@ def main(argv=None):
             continue
         ms = statistics.median(times[impl])
         tflops = flops(lengths, args.heads, args.head_dim, causal, args.mode, impl) / ms / 1e9
-        rows.append(dict(impl=impl, head_dim=args.head_dim, heads=args.heads, heads_kv=heads_kv, causal=causal,
-                         deterministic=args.deterministic, ms=round(ms, 4), tflops=round(tflops, 1)))
+        rows.append(dict(impl=impl, dtype=args.dtype, head_dim=args.head_dim, heads=args.heads, heads_kv=heads_kv,
+                         causal=causal, deterministic=args.deterministic, ms=round(ms, 4), tflops=round(tflops, 1)))
         if impl == "ours" and check is not None:
             rows[-1].update(max_abs_diff=float(f"{check[0]:.3g}"), diff_ok=check[2],
                             grad_abs_diff=float(f"{check[1]:.3g}") if check[1] is not None else None)
@@ -219,7 +219,8 @@ def main(argv=None):
         ratio = statistics.median(times["varlen_attn"]) / statistics.median(times["ours"])
         print(f"  ours / varlen_attn: {ratio:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"bench_varlen_{args.mode}_d{args.head_dim}{'_deterministic' if args.deterministic else ''}.csv"
+    settings = f"{args.mode}_d{args.head_dim}_h{args.heads}-{heads_kv}_{args.dtype}_{'causal' if causal else 'full'}"
+    path = args.out / f"bench_varlen_{settings}{'_deterministic' if args.deterministic else ''}.csv"
     with path.open("w", newline="") as f:
         fields = list(dict.fromkeys(key for row in rows for key in row)) or ["impl", "ms", "tflops"]
         writer = csv.DictWriter(f, fieldnames=fields)
