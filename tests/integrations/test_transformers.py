@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import flashattn_ext  # noqa: E402
 import flashattn_ext.integrations.transformers as fa_hf  # noqa: E402
 
 fa_hf.register()
@@ -229,6 +230,21 @@ def test_bidirectional_sliding_window_is_transformers_mask():
     mask = torch.tensor([[bool(allowed(0, 0, i, j)) for j in range(20)] for i in range(20)])
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_keys_longer_than_queries():
+    # cu_seq_lens_k may differ from cu_seq_lens_q (each sequence's queries its last rows): every sequence attends
+    # bottom-right over its own keys.
+    torch.manual_seed(0)
+    bounds_q, bounds_k = [0, 3, 5], [0, 7, 11]
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 11, 16), torch.randn(1, 2, 11, 16)
+    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True,
+                                     cu_seq_lens_q=torch.tensor(bounds_q, dtype=torch.int32),
+                                     cu_seq_lens_k=torch.tensor(bounds_k, dtype=torch.int32))
+    for b in range(2):
+        rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+        want = flashattn_ext.flash_attn(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=True)
+        torch.testing.assert_close(got[:, rows], want.transpose(1, 2))
 
 
 def test_dropout_in_training_raises():
