@@ -22,6 +22,8 @@ CASES = [  # (layout, causal, heads, heads_kv, window, softcap, sinks)
     ("zigzag", True, 2, 2, (7, -1), 0.0, False),  # a causal window reaching back past one chunk
     ("contiguous", False, 2, 2, (5, 13), 0.0, True),  # two-sided, crossing chunk boundaries both ways
     ("zigzag", False, 2, 1, (2, 0), 1.5, False),  # a window narrower than a chunk
+    ("contiguous", False, 2, 2, (11, 11), 0.0, False),  # one key into each neighbouring chunk (12 rows)
+    ("zigzag", True, 2, 2, (5, -1), 0.0, False),  # one key into the chunk before (6 rows)
 ]
 
 
