@@ -123,10 +123,12 @@ def test_zigzag_roundtrip():
     assert torch.equal(zigzag_unshard(parts, 2, 3), x)
 
 
-def test_bad_layout():
+def test_bad_arguments():
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(ValueError, match="layout must be one of"):
         ring_flash_attn(q, q, q, layout="striped")
+    with pytest.raises(ValueError, match="window_size must be"):
+        ring_flash_attn(q, q, q, window_size=(-2, 0))
     with pytest.raises(ValueError, match="multiple of 2 \\* world"):
         zigzag_shard(torch.randn(1, 1, 10, 8), 2, 0, 3)
 
