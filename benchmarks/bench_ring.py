@@ -26,11 +26,14 @@ import flashattn_ext  # noqa: E402
 from flashattn_ext.distributed import ring_flash_attn, zigzag_shard  # noqa: E402
 
 
-def median_seconds(fn, device, iters: int) -> float:
-    """Median wall time of fn() over iters calls after one warm-up (synchronising the device around each)."""
+def median_seconds(fn, device, iters: int, align=None) -> float:
+    """Median wall time of fn() over iters calls after one warm-up (synchronising the device around each; `align`,
+    if given, before each start: the ranks' barrier, so that no rank's time includes waiting for a late one)."""
     fn()
     times = []
     for _ in range(iters):
+        if align is not None:
+            align()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -85,7 +88,7 @@ def main() -> None:
     q, k, v, dout = (shard(t).to(device) for t in whole)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     ring = fwd_bwd(lambda q, k, v: ring_flash_attn(q, k, v, causal=args.causal, layout=args.layout), q, k, v, dout)
-    seconds = median_seconds(ring, device, args.iters)
+    seconds = median_seconds(ring, device, args.iters, align=dist.barrier)
     flops = 3.5 * 4.0 * args.batch * args.heads * args.length ** 2 * args.dim * (0.5 if args.causal else 1.0)
     times = [torch.zeros(1, device=device) for _ in range(world)]
     dist.all_gather(times, torch.tensor([seconds], device=device))
