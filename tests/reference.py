@@ -119,6 +119,11 @@ def sdpa_ref(
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
+def relative_error(x: Tensor, ref: Tensor) -> float:
+    """||x - ref|| / ||ref||, over every element."""
+    return ((x - ref).norm() / ref.norm()).item()
+
+
 def max_abs_error(x: Tensor, ref: Tensor, rows: Optional[Tensor] = None) -> float:
     """max |x - ref| over the query rows selected by the (Lq,) mask `rows` (all rows by default)."""
     diff = (x.to(ref.dtype) - ref).abs()

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext
 from flashattn_ext.integrations import sdpa
-from reference import assert_grads_close, leaves, make_qkv
+from reference import assert_grads_close, leaves, make_qkv, relative_error
 
 attention = pytest.importorskip("torch.nn.attention")
 if not hasattr(attention, "activate_flash_attention_impl"):
@@ -246,10 +246,6 @@ def first_step_grads(model, batch):
     """Every parameter's gradient of one step, flattened (float32)."""
     model(batch).backward()
     return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-
-
-def relative_error(x, ref):
-    return ((x - ref).norm() / ref.norm()).item()
 
 
 def compare_training(make_model, make_batches, op):

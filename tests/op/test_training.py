@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext
-from reference import repeat_kv
+from reference import relative_error, repeat_kv
 
 
 class TinyLM(torch.nn.Module):
@@ -73,10 +73,6 @@ def first_step_grads(model, tokens, autocast_dtype):
     grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
     return grads
-
-
-def relative_error(x, ref):
-    return ((x - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])

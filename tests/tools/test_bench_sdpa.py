@@ -170,25 +170,17 @@ def test_decode_mode_and_plot(bench, monkeypatch, tmp_path):
 
 
 def test_visible_pairs_count_the_mask(bench):
-    # The FLOPs every rate is counted on: the (query, key) pairs the op's mask leaves, against the mask itself (windows
-    # inclusive, bottom-right with Lq != Lk both ways, rows without keys; bench_decode's causal chunks take the same).
-    def brute(len_q, len_k, causal, window):
-        left, right = window[0], 0 if causal else window[1]
-        i = torch.arange(len_q)[:, None] + (len_k - len_q)
-        j = torch.arange(len_k)[None, :]
-        seen = torch.ones(len_q, len_k, dtype=torch.bool)
-        if left >= 0:
-            seen &= j >= i - left
-        if right >= 0:
-            seen &= j <= i + right
-        return int(seen.sum())
+    # The FLOPs every rate is counted on: the (query, key) pairs the op's mask leaves, against the mask the tests hold
+    # the op to (windows inclusive, bottom-right with Lq != Lk both ways, rows without keys; bench_decode's causal chunks
+    # take the same count).
+    from reference import visible_mask
 
     for window in [(-1, -1), (0, 0), (16, 0), (5, -1), (-1, 3), (7, 2)]:
         mods = bench.ScoreMods(window=window)
         for len_q, len_k in [(1, 1), (7, 7), (20, 16), (16, 20), (1, 50), (50, 1), (33, 70)]:
             for causal in (False, True):
-                assert mods.visible_pairs(len_q, len_k, causal) == brute(len_q, len_k, causal, window), (
-                    window, len_q, len_k, causal)
+                want = int(visible_mask(len_q, len_k, causal, "cpu", window).sum())
+                assert mods.visible_pairs(len_q, len_k, causal) == want, (window, len_q, len_k, causal)
 
 
 @pytest.mark.parametrize("bug", ["none", "scale", "gradient"])
