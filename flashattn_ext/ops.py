@@ -157,7 +157,8 @@ def flash_attn_with_kvcache(
     return_lse: bool = False,
     cache_leftpad: Optional[Tensor] = None,
 ):
-    """Attention of a few new queries against a KV cache (decoding), forward only.
+    """Attention of new queries against a KV cache, forward only: a few (decoding; on CUDA up to 16 rows take the
+    split-KV decode path) or a chunk of a prompt (on Hopper over a dense cache, the TMA forward).
 
     Args:
         q: (B, H, Lq, D) queries, the last Lq positions of each sequence.

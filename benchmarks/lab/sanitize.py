@@ -8,9 +8,9 @@ Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--he
 for a change to one of them: racecheck over every case takes about 150 s of device time on the H200. --options runs
 each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn. --varlen runs
 packed sequences instead (VARLEN_CASES, each plain and with every option set), and cu_seqlens whose values break
-the rules (they must give wrong rows, never an access outside the tensors). --kvcache runs the decode path
-(KVCACHE_CASES) over dense and paged caches, with new keys appended, left padding, and a block table with pages
-out of range.
+the rules (they must give wrong rows, never an access outside the tensors). --kvcache runs KV cache calls
+(KVCACHE_CASES: the decode path, and query chunks) over dense and paged caches, with new keys appended, left padding,
+and a block table with pages out of range.
 """
 import argparse
 import os
@@ -101,8 +101,8 @@ def run_varlen():
     return calls
 
 
-# Decode calls for --kvcache: (batch, heads, heads_kv, len_q, new keys, cache rows, head dim, page size), cache lengths
-# from 0 to full; a page size of 0 runs the dense cache.
+# KV cache calls for --kvcache: (batch, heads, heads_kv, len_q, new keys, cache rows, head dim, page size), cache
+# lengths from 0 to full; a page size of 0 runs the dense cache.
 KVCACHE_CASES = [
     (3, 8, 2, 1, 0, 300, 128, 0),
     (3, 8, 2, 1, 1, 300, 128, 16),
@@ -110,6 +110,10 @@ KVCACHE_CASES = [
     (2, 4, 4, 1, 2, 200, 64, 7),  # pages that cut a key block anywhere
     (2, 6, 2, 3, 0, 500, 256, 256),
     (1, 4, 1, 1, 0, 4100, 128, 1),  # one row a page, 64 splits
+    (3, 8, 2, 37, 37, 700, 128, 0),  # query chunks past the decode path: on Hopper, its TMA forward
+    (2, 4, 2, 200, 0, 333, 64, 0),
+    (2, 4, 4, 130, 5, 300, 256, 0),
+    (2, 8, 2, 40, 40, 512, 128, 64),  # a chunk against pages: the portable forward
 ]
 
 
@@ -168,7 +172,7 @@ def main():
     parser.add_argument("--deterministic", action="store_true",
                         help="under torch.use_deterministic_algorithms(True): the Hopper backward's ordered dQ")
     parser.add_argument("--varlen", action="store_true", help="packed sequences, and cu_seqlens that break the rules")
-    parser.add_argument("--kvcache", action="store_true", help="the decode path over dense and paged caches")
+    parser.add_argument("--kvcache", action="store_true", help="KV cache calls over dense and paged caches")
     args = parser.parse_args()
     if args.deterministic:  # the chunked backward (D256) then runs cuBLAS, which needs a fixed workspace for it
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

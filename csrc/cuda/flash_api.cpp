@@ -15,6 +15,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "api/checks.h"
 #include "api/layouts.h"
@@ -217,7 +218,7 @@ cudaError_t launch_fwd(const FwdParams& params, bool is_bf16, int bucket, cudaSt
           if constexpr (sm90_fwd_covers(kBucket)) {
             if (params.plan.kernel == FwdKernel::kSm90) {
               constexpr int kHopperHeadDim = sm90_kernel_head_dim(kBucket);
-              if (params.cu_seqlens_q != nullptr) {
+              if (params.plan.schedule == FwdSchedule::kSequences) {
                 if constexpr (kOptions) {
                   err = sm90::run_fwd_sm90<T, kHopperHeadDim, kCausal, true, true>(params, stream);
                 }
@@ -280,6 +281,18 @@ at::Tensor attach_workspace(FwdParams& params, const at::Tensor& q, cudaStream_t
   return workspace;
 }
 
+// A call where no row sees a key: out = 0, lse = -inf or the row's sink (lse's heads along lse_head_dim).
+void store_keyless(at::Tensor& out, at::Tensor& lse, const ScoreMods& mods, int64_t lse_head_dim) {
+  out.zero_();
+  if (mods.sinks.has_value()) {
+    std::vector<int64_t> shape(lse.dim(), 1);
+    shape[lse_head_dim] = lse.size(lse_head_dim);
+    lse.copy_(mods.sinks->view(shape).expand_as(lse));
+  } else {
+    lse.fill_(-std::numeric_limits<float>::infinity());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             bool causal, std::optional<double> scale, at::IntArrayRef window_size,
                                             double softcap, const std::optional<at::Tensor>& sinks) {
@@ -294,13 +307,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tenso
   at::Tensor out = empty_written_like(q);
   at::Tensor lse = empty_written({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
-  if (s.len_k == 0) {  // every row sees no key: out = 0, lse = -inf or the row's sink
-    out.zero_();
-    if (mods.sinks.has_value()) {
-      lse.copy_(mods.sinks->view({1, s.heads, 1}).expand_as(lse));
-    } else {
-      lse.fill_(-std::numeric_limits<float>::infinity());
-    }
+  if (s.len_k == 0) {
+    store_keyless(out, lse, mods, /*lse_head_dim=*/1);
     return {out, lse};
   }
 
@@ -596,13 +604,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_varlen_cuda(const at::Tensor& q, const at
   at::Tensor out = empty_written({vs.total_q, vs.heads, vs.head_dim}, q.options());
   at::Tensor lse = empty_written({vs.heads, vs.total_q}, q.options().dtype(at::kFloat));
   if (vs.total_q == 0 || vs.heads == 0 || vs.batch == 0) return {out, lse};
-  if (vs.total_k == 0) {  // no sequence has keys: out = 0, lse = -inf or the head's sink
-    out.zero_();
-    if (mods.sinks.has_value()) {
-      lse.copy_(mods.sinks->view({vs.heads, 1}).expand_as(lse));
-    } else {
-      lse.fill_(-std::numeric_limits<float>::infinity());
-    }
+  if (vs.total_k == 0) {  // no sequence has keys
+    store_keyless(out, lse, mods, /*lse_head_dim=*/0);
     return {out, lse};
   }
   const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
@@ -758,8 +761,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 // ==== KV cache ======================================================================================================
 //
 // The new keys and values are written into the cache on the device (positions from cache_seqlens, never read on the
-// host), then the decode path or the sm80 sequences variant attends over each entry's valid keys, from a dense cache or
-// through the block table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are
+// host), then the decode path (a few query rows), the Hopper sequences variant (a dense cache whose entries TMA can
+// map) or the sm80 sequences variant attends over each entry's valid keys, from a dense cache or through the block
+// table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are
 // clamped into the cache (wrong rows, never an access outside it).
 
 // Writes the new keys and values into the caches at the positions the lengths give (KvAppendParams); lengths and
@@ -832,6 +836,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   at::Tensor out = empty_written_like(q);
   at::Tensor lse = empty_written({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
+  if (ks.capacity == 0) {  // no entry has a key
+    store_keyless(out, lse, mods, /*lse_head_dim=*/1);
+    return {out, lse};
+  }
 
   FwdParams p = make_fwd_params(q, k_cache, v_cache, out, lse, s, mods.right >= 0, softmax_scale);
   set_score_mods(p, mods);
@@ -849,10 +857,21 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     p.num_pages = static_cast<int>(ks.num_pages);
   }
   const FwdDevice device = fwd_device(q);
-  if (decode_applies(p, bucket, device, switches())) {
-    p.plan = plan_decode(p, bucket, device.num_sms, num_splits, switches());
+  const Switches& sw = switches();
+  // The Hopper kernel's maps over the first entry, moved to each entry's rows on the device (16-byte aligned starts:
+  // every stride is a multiple of 8 elements).
+  FwdParams first_entry = p;
+  first_entry.batch = 1;
+  if (decode_applies(p, bucket, device, sw)) {
+    p.plan = plan_decode(p, bucket, device.num_sms, num_splits, sw);
+  } else if (fwd_wants_sm90(bucket, device, sw) && !ks.paged &&
+             tma_maps_inputs(first_entry, q.scalar_type() == at::kBFloat16, q.get_device())) {
+    p.plan = plan_fwd_sequences(p, bucket, device);
   } else {
-    p.plan = plan_fwd_sm80(bucket, device, switches());
+    TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw) || ks.paged, op,
+                ": FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot describe the "
+                "strides of q or the caches)");
+    p.plan = plan_fwd_sm80(bucket, device, sw);
   }
   check_fits(p.plan, device, op);
   const at::Tensor workspace = attach_workspace(p, q, stream);

@@ -59,8 +59,8 @@ inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t 
   return plan;
 }
 
-// Packed sequences on Hopper (`p` a packed call's params): one tile shape per head dim, every SM, tiles from a counter
-// in the order the preparation builds on the device.
+// Packed sequences on Hopper (`p` a packed call's params, or a dense KV cache's: its entries as the sequences): one
+// tile shape per head dim, every SM, tiles from a counter in the order the preparation builds on the device.
 inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device) {
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm90;
@@ -71,7 +71,10 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
   plan.block_n = shape.block_n;
   plan.schedule = FwdSchedule::kSequences;
   // At most one CTA per tile there can be (each sequence's rows in whole tiles: packed.h's slot count).
-  const int64_t most_tiles = (static_cast<int64_t>(p.len_q) / plan.block_m + p.batch) * p.heads;
+  const int64_t entry_m_blocks = sm90::sequence_m_blocks(p.len_q, plan.block_m);  // a KV cache's entries
+  const int64_t most_tiles = p.cu_seqlens_q != nullptr
+                                 ? (static_cast<int64_t>(p.len_q) / plan.block_m + p.batch) * p.heads
+                                 : entry_m_blocks * p.heads * p.batch;
   plan.grid = static_cast<int>(std::min<int64_t>(device.num_sms, most_tiles));
   plan.workspace_bytes = sm90::sequences_workspace(p.batch).bytes;
   plan.zeroed_bytes = sizeof(int);

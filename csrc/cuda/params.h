@@ -81,10 +81,10 @@ struct FwdParams {
   // len_k are the totals, and lse is (heads, total_q). (Last: the dense kernels' parameter layout stays as it was.)
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
-  // A KV cache (the sm80 sequences variant): seqlens_k, int32 (batch,), each entry's valid keys before the len_new
-  // appended ones (their sum clamped to len_k, the cache's capacity), or null: len_k. block_table, int32 (batch,
-  // block_table_stride), or null: a paged cache, whose k/v batch strides are then the page strides (num_pages pages of
-  // page_size rows).
+  // A KV cache (the sm80 sequences variant; on Hopper, a dense cache's entries as sequences): seqlens_k, int32
+  // (batch,), each entry's valid keys before the len_new appended ones (their sum clamped to len_k, the cache's
+  // capacity), or null: len_k. block_table, int32 (batch, block_table_stride), or null: a paged cache, whose k/v batch
+  // strides are then the page strides (num_pages pages of page_size rows).
   const int* __restrict__ seqlens_k;
   // leftpad_k, int32 (batch,), or null: a dense cache's entry b starts at row leftpad_k[b] (left padding), its keys
   // [leftpad_k[b], its length).
@@ -98,22 +98,25 @@ struct FwdParams {
   // (splits, B, H, Lq), merged by the combine pass (decode.h).
   float* split_out;
   float* split_lse;
-  // Packed sequences on Hopper (the sm90 sequences variants; sm90/sequences.h builds these on the device before the
-  // launch): seq_order, the sequences in the order their tiles run (longest first); seq_tile_start (batch + 1), each
-  // rank's first tile in that order; seq_maps, four CUtensorMaps per sequence (q, k, v, out: its rows only), 128-byte
-  // aligned. The tiles come from tile_counter.
+  // Packed sequences, or a dense KV cache's entries (cu_seqlens_q null), on Hopper (the sm90 sequences variants;
+  // sm90/sequences.h builds these on the device before the launch): seq_order, the sequences in the order their tiles
+  // run (longest first); seq_tile_start (batch + 1), each rank's first tile in that order; seq_maps, four CUtensorMaps
+  // per sequence (q, k, v, out: its rows only), 128-byte aligned. The tiles come from tile_counter.
   int* seq_order;
   int* seq_tile_start;
   void* seq_maps;
 };
 
 #ifdef __CUDACC__
-// Batch entry `batch`'s keys: len_k, or in a KV cache (seqlens_k) its cache_seqlens value and the appended keys,
-// clamped into the cache.
+// Batch entry `batch`'s keys in a cache of `capacity` rows: its seqlens_k value and the len_new appended keys, clamped
+// into the cache (null seqlens_k: every row).
+__device__ inline int entry_len_k(const int* seqlens_k, int len_new, int capacity, int batch) {
+  if (seqlens_k == nullptr) return capacity;
+  const int64_t keys = static_cast<int64_t>(__ldg(seqlens_k + batch)) + len_new;
+  return static_cast<int>(keys < 0 ? 0 : keys > capacity ? capacity : keys);
+}
 __device__ inline int entry_len_k(const FwdParams& p, int batch) {
-  if (p.seqlens_k == nullptr) return p.len_k;
-  const int64_t keys = static_cast<int64_t>(__ldg(p.seqlens_k + batch)) + p.len_new;
-  return static_cast<int>(keys < 0 ? 0 : keys > p.len_k ? p.len_k : keys);
+  return entry_len_k(p.seqlens_k, p.len_new, p.len_k, batch);
 }
 // Batch entry `batch`'s keys as cache rows [first, first + len): from its left padding (leftpad_k, clamped to
 // [0, entry_len_k]) or 0 to entry_len_k. first is 0 when len is, so the rows' base stays inside the cache.
@@ -121,12 +124,16 @@ struct EntryKeys {
   int first;
   int len;
 };
-__device__ inline EntryKeys entry_keys(const FwdParams& p, int batch) {
-  const int end = entry_len_k(p, batch);
-  if (p.leftpad_k == nullptr) return {0, end};
-  const int pad = __ldg(p.leftpad_k + batch);
+__device__ inline EntryKeys entry_keys(const int* seqlens_k, const int* leftpad_k, int len_new, int capacity,
+                                       int batch) {
+  const int end = entry_len_k(seqlens_k, len_new, capacity, batch);
+  if (leftpad_k == nullptr) return {0, end};
+  const int pad = __ldg(leftpad_k + batch);
   const int first = pad < 0 ? 0 : pad > end ? end : pad;
   return first < end ? EntryKeys{first, end - first} : EntryKeys{0, 0};
+}
+__device__ inline EntryKeys entry_keys(const FwdParams& p, int batch) {
+  return entry_keys(p.seqlens_k, p.leftpad_k, p.len_new, p.len_k, batch);
 }
 #endif
 

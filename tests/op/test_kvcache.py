@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
+from isolated import run_isolated
 from reference import assert_attention_close
 
 fwd_kvcache = torch.ops.flashattn.fwd_kvcache
@@ -361,7 +362,7 @@ def cuda_mods(name):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mods", list(MODS))
 @pytest.mark.parametrize("len_new", [0, 1, 4])
-@pytest.mark.parametrize("len_q", [1, 4, 20])  # 20: past the decode path, the sm80 forward
+@pytest.mark.parametrize("len_q", [1, 4, 20])  # 20: past the decode path
 def test_cuda_dense_cache(len_q, len_new, mods):
     lengths = [0, 300, CUDA_LMAX - len_new]  # an empty cache, a partial one, one that the append fills
     k_cache, v_cache = cuda_caches(lengths)
@@ -384,7 +385,7 @@ def test_cuda_dense_cache(len_q, len_new, mods):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mods", list(MODS))
 @pytest.mark.parametrize("len_new", [0, 1])
-@pytest.mark.parametrize("len_q", [1, 20])  # 20: past the decode path, the sm80 forward
+@pytest.mark.parametrize("len_q", [1, 20])  # 20: past the decode path
 def test_cuda_left_padding(len_q, len_new, mods):
     # Entry b's keys start at cache_leftpad[b] (NaN before: never read): none at all, the last 30 of 300, all.
     lengths, first = [7, 300, CUDA_LMAX - len_new], [7 + len_new, 270 + len_new, 0]
@@ -447,11 +448,97 @@ def test_cuda_append_writes_only_the_new_rows(paged, aligned):
         assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
 
 
+CHUNKS = [(17, 0, [0, 5, 333, 700]), (200, 37, [0, 113, 333, 663])]  # (rows, appended rows, cache lengths)
+
+
+def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0):
+    """Chunks of query rows against a dense cache of 700 rows (NaN past each entry's valid length; H8 and, `layout`
+    "heads": Hk2 (B, Hk, L, D) tensors, "tokens": Hk1 (B, L, Hk, D) ones transposed; fp16 at D64, else bf16) for
+    each score modification, once with left padding: entries without keys, with fewer keys than rows (the first rows
+    see none) and full ones. Each entry checked against the reference, one also alone (the same bits). Run in a
+    process of its own to pick a kernel (FLASHATTN_FWD_SM90, FLASHATTN_DECODE); returns every out and lse."""
+    torch.manual_seed(seed)
+    batch, heads, capacity = 4, 8, 700
+    heads_kv = 2 if layout == "heads" else 1
+    dtype = torch.float16 if head_dim == 64 else torch.bfloat16
+
+    def tensor(rows, heads_):
+        if layout == "tokens":
+            return torch.randn(batch, rows, heads_, head_dim, dtype=dtype, device="cuda").transpose(1, 2)
+        return torch.randn(batch, heads_, rows, head_dim, dtype=dtype, device="cuda")
+
+    results = []
+    for len_q, len_new, lengths in chunks:
+        for mods in MODS:
+            for padded in (False, True) if mods == "causal" else (False,):
+                k_cache, v_cache = tensor(capacity, heads_kv), tensor(capacity, heads_kv)
+                first = [0, 2, 100, 3] if padded else [0] * batch
+                for cache in (k_cache, v_cache):
+                    for b, (n, start) in enumerate(zip(lengths, first)):
+                        cache[b, :, n:] = float("nan")
+                        cache[b, :, :start] = float("nan")
+                q = tensor(len_q, heads)
+                k, v = (tensor(len_new, heads_kv), tensor(len_new, heads_kv)) if len_new else (None, None)
+                kwargs = dict(MODS[mods])
+                if kwargs.get("sinks"):
+                    kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
+                seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+                leftpad = torch.tensor(first, dtype=torch.int32, device="cuda") if padded else None
+                out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
+                                                                 cache_leftpad=leftpad, **kwargs)
+                assert torch.isfinite(out).all(), "no key outside an entry's valid rows may reach the output"
+                for b, (n, start) in enumerate(zip(lengths, first)):
+                    if len_new:
+                        appended = slice(n, n + len_new)
+                        assert torch.equal(k_cache[b, :, appended], k[b]) and torch.equal(v_cache[b, :, appended], v[b])
+                    rows = slice(start, n + len_new)
+                    entry = slice(b, b + 1)
+                    assert_attention_close(out[entry], lse[entry], q[entry], k_cache[entry, :, rows],
+                                           v_cache[entry, :, rows], **kwargs)
+                # An entry's bits do not depend on the batch (the append, again, writes the same rows).
+                entry = slice(1, 2)
+                alone = flashattn_ext.flash_attn_with_kvcache(
+                    q[entry], k_cache[entry], v_cache[entry], None if k is None else k[entry],
+                    None if v is None else v[entry], seqlens[entry], return_lse=True,
+                    cache_leftpad=None if leftpad is None else leftpad[entry], **kwargs)
+                assert torch.equal(alone[0], out[entry]) and torch.equal(alone[1], lse[entry])
+                results.append((out, lse))
+    return results
+
+
 @pytest.mark.cuda
-def test_cuda_graph_replays_new_lengths():
+@pytest.mark.parametrize("layout", ["heads", "tokens"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_cuda_chunk_each_kernel(head_dim, layout):
+    # Query chunks past the decode path: the portable kernel and, on Hopper, the TMA one (strict: it must take the
+    # call), both against the reference; their bits differ (two kernels ran) while both are right.
+    portable = run_isolated({"FLASHATTN_FWD_SM90": "0"}, "op.test_kvcache", "chunk_checked", head_dim, layout)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's half (the portable one's passed)")
+    hopper = run_isolated({"FLASHATTN_FWD_SM90": "strict"}, "op.test_kvcache", "chunk_checked", head_dim, layout)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(portable, hopper)), "the same kernel ran twice"
+    for (out_a, lse_a), (out_b, lse_b) in zip(portable, hopper):
+        torch.testing.assert_close(out_a, out_b, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse_a, lse_b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+def test_cuda_short_queries_without_the_decode_path():
+    # FLASHATTN_DECODE=0 sends a few query rows to the forward kernels: on Hopper (strict) the TMA one, whose maps
+    # then hold one query row (Lq = 1) or a 16-row chunk.
+    env = {"FLASHATTN_DECODE": "0"}
+    if torch.cuda.get_device_capability() == (9, 0):
+        env["FLASHATTN_FWD_SM90"] = "strict"
+    chunks = [(1, 0, [0, 5, 333, 700]), (16, 16, [0, 3, 333, 684])]
+    run_isolated(env, "op.test_kvcache", "chunk_checked", 128, "tokens", chunks)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("len_q", [1, 20])  # 20: the chunk path, whose preparation reads the lengths on the device
+def test_cuda_graph_replays_new_lengths(len_q):
     # Lengths live on the device only: a decode step captured once replays with new cache_seqlens.
     k_cache, v_cache = cuda_caches([CUDA_LMAX] * B)
-    q = torch.randn(B, H, 1, CUDA_D, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(B, H, len_q, CUDA_D, dtype=torch.bfloat16, device="cuda")
     seqlens = torch.tensor([10, 20, 30], dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):

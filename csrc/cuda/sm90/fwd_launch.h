@@ -15,16 +15,24 @@
 
 namespace flashattn::sm90 {
 
-// Packed sequences: the preparation (sequences.h), from the maps over the whole packed q, k, v and out.
+// Packed sequences: the preparation (sequences.h), from the maps over the whole packed q, k, v and out (a KV cache's:
+// over its first entry).
 template <typename Traits>
 cudaError_t prepare_fwd_sequences(const FwdParams& params, const CUtensorMap& q_map, const CUtensorMap& k_map,
                                   const CUtensorMap& v_map, const CUtensorMap& o_map, cudaStream_t stream) {
   SequencesPrepParams prep = sequences_prep(params, kSeqMaps);
+  prep.seqlens_k = params.seqlens_k;
+  prep.leftpad_k = params.leftpad_k;
+  prep.len_new = params.len_new;
   prep.block_m = Traits::kBlockM;
-  prep.sources[kSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};
-  prep.sources[kSeqMapK] = {static_cast<const char*>(params.k), params.k_row_stride * 2, false};
-  prep.sources[kSeqMapV] = {static_cast<const char*>(params.v), params.v_row_stride * 2, false};
-  prep.sources[kSeqMapO] = {static_cast<const char*>(params.out), params.o_row_stride * 2, true};
+  const bool entries = params.cu_seqlens_q == nullptr;
+  const auto source = [&](const void* base, int64_t batch_stride, int64_t row_stride, bool query_rows) {
+    return SeqMapSource{static_cast<const char*>(base), row_stride * 2, query_rows, entries ? batch_stride * 2 : 0};
+  };
+  prep.sources[kSeqMapQ] = source(params.q, params.q_batch_stride, params.q_row_stride, true);
+  prep.sources[kSeqMapK] = source(params.k, params.k_batch_stride, params.k_row_stride, false);
+  prep.sources[kSeqMapV] = source(params.v, params.v_batch_stride, params.v_row_stride, false);
+  prep.sources[kSeqMapO] = source(params.out, params.o_batch_stride, params.o_row_stride, true);
   prep.order = params.seq_order;
   prep.tile_start = params.seq_tile_start;
   prep.maps = static_cast<CUtensorMap*>(params.seq_maps);
@@ -37,7 +45,8 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;
   if (plan.block_m != Traits::kBlockM || plan.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  // Packed sequences: maps over all rows as one batch entry (the preparation cuts each sequence's from them).
+  // Packed sequences: maps over all rows as one batch entry (the preparation cuts each sequence's from them); a KV
+  // cache's: over its first entry (the preparation moves them to each entry's).
   FwdParams shape = params;
   if constexpr (Traits::kSequences) shape.batch = 1;
   CUtensorMap q_map, k_map, v_map, o_map{};

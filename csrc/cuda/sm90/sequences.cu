@@ -1,6 +1,7 @@
-// The preparation of a packed call for the Hopper kernels (sequences.h): one CTA writes each sequence's tensor maps
-// and, for the forward, ranks the sequences by their keys and counts their tiles in that order.
+// The preparation of a packed call (or a KV cache's entries) for the Hopper kernels (sequences.h): one CTA writes each
+// sequence's tensor maps and, for the forward, ranks the sequences by their keys and counts their tiles in that order.
 #include "cuda/packed.h"
+#include "cuda/params.h"
 #include "cuda/sm90/ptx.h"
 #include "cuda/sm90/sequences.h"
 
@@ -9,8 +10,17 @@ namespace {
 
 constexpr int kThreads = 1024;
 
-__device__ __forceinline__ int sequence_length(const int* cu, int b, int total) {
-  return max(0, clamped_offset(cu, b + 1, total) - clamped_offset(cu, b, total));
+// Sequence b's query or key rows [first, first + len): packed, from cu_seqlens; a cache entry's, every query row or
+// its valid keys.
+__device__ EntryKeys sequence_rows(const SequencesPrepParams& prep, bool query_rows, int b) {
+  if (prep.cu_seqlens_q == nullptr) {
+    if (query_rows) return {0, prep.total_q};
+    return entry_keys(prep.seqlens_k, prep.leftpad_k, prep.len_new, prep.total_k, b);
+  }
+  const int* cu = query_rows ? prep.cu_seqlens_q : prep.cu_seqlens_k;
+  const int total = query_rows ? prep.total_q : prep.total_k;
+  const int first = clamped_offset(cu, b, total);
+  return {first, max(0, clamped_offset(cu, b + 1, total) - first)};
 }
 
 // The exclusive prefix sum of `value` over the CTA's threads.
@@ -49,24 +59,22 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = threadIdx.x; i < static_cast<int64_t>(batch) * prep.num_maps; i += kThreads) {
     const int b = static_cast<int>(i / prep.num_maps);
     const SeqMapSource& source = prep.sources[i % prep.num_maps];
-    const int* cu = source.query_rows ? prep.cu_seqlens_q : prep.cu_seqlens_k;
-    const int total = source.query_rows ? prep.total_q : prep.total_k;
     CUtensorMap* const map = prep.maps + i;
     const uint4* src = reinterpret_cast<const uint4*>(&templates.map[i % prep.num_maps]);
     uint4* dst = reinterpret_cast<uint4*>(map);
 #pragma unroll
     for (int w = 0; w < static_cast<int>(sizeof(CUtensorMap) / sizeof(uint4)); ++w) dst[w] = src[w];
-    const int first = clamped_offset(cu, b, total);
-    const int len = sequence_length(cu, b, total);
-    tensormap_replace_address(map, len > 0 ? source.base + first * source.row_bytes : source.base);
-    tensormap_replace_dim<1>(map, static_cast<uint32_t>(max(len, 1)));
+    const EntryKeys rows = sequence_rows(prep, source.query_rows, b);
+    const char* const first = source.base + b * source.entry_bytes + rows.first * source.row_bytes;
+    tensormap_replace_address(map, rows.len > 0 ? first : source.base);
+    tensormap_replace_dim<1>(map, static_cast<uint32_t>(max(rows.len, 1)));
   }
   fence_tensormap_release();
   if (prep.order == nullptr) return;
 
   const bool sorted = batch <= kMaxSortedSequences;
   if (sorted) {
-    for (int b = threadIdx.x; b < batch; b += kThreads) keys[b] = sequence_length(prep.cu_seqlens_k, b, prep.total_k);
+    for (int b = threadIdx.x; b < batch; b += kThreads) keys[b] = sequence_rows(prep, false, b).len;
   }
   __syncthreads();
   // Rank (longest keys first, ties in packed order) and tile count of each sequence; tile_start[rank + 1] holds the
@@ -82,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     prep.order[rank] = b;
-    const int len_q = sequence_length(prep.cu_seqlens_q, b, prep.total_q);
+    const int len_q = sequence_rows(prep, true, b).len;
     prep.tile_start[rank + 1] = sequence_m_blocks(len_q, prep.block_m) * prep.heads;
   }
   // tile_start: the exclusive prefix sum of the counts, each thread over a run of ranks.

@@ -1,5 +1,7 @@
-// Packed sequences in the Hopper kernels, host and device halves. Before a kernel, one small kernel (sequences.cu)
-// reads cu_seqlens on the device (the host never does) and writes:
+// Packed sequences in the Hopper kernels, host and device halves; the forward takes a dense KV cache's entries as
+// sequences too (cu_seqlens_q null: each entry's len_q query rows, its keys from cache_seqlens and the left padding:
+// params.h, entry_keys). Before a kernel, one small kernel (sequences.cu) reads the lengths on the device (the host
+// never does) and writes:
 //   tensor maps per sequence (forward: q, k, v, out; backward: q, k, v, dout, dq_accum) whose base is the
 //   sequence's first row and whose extent its length: TMA then zero-fills reads past the sequence's end and clips
 //   stores there, as it does at a dense tensor's end;
@@ -40,18 +42,22 @@ inline constexpr int kMaxSortedSequences = 2048;
 // A sequence's query blocks.
 __host__ __device__ constexpr int sequence_m_blocks(int len_q, int block_m) { return (len_q + block_m - 1) / block_m; }
 
-// A packed tensor the preparation maps per sequence: its base, the bytes from row to row, and whether its rows are
-// the queries' (cu_seqlens_q) or the keys'.
+// A tensor the preparation maps per sequence: its base, the bytes from row to row and (a cache's entries) from entry
+// to entry, and whether its rows are the queries' or the keys'.
 struct SeqMapSource {
   const char* base;
   int64_t row_bytes;
   bool query_rows;
+  int64_t entry_bytes;
 };
 
 // What the preparation reads and writes.
 struct SequencesPrepParams {
-  const int* cu_seqlens_q;
+  const int* cu_seqlens_q;  // null: a KV cache's entries, total_q rows each, keys as FwdParams' seqlens_k etc. say
   const int* cu_seqlens_k;
+  const int* seqlens_k;
+  const int* leftpad_k;
+  int len_new;
   int batch, heads, total_q, total_k, block_m;
   int num_maps;
   SeqMapSource sources[kMaxSeqMaps];
@@ -65,7 +71,7 @@ struct SeqMapTemplates {
 };
 
 // The preparation's sizes for a packed call's FwdParams or BwdParams (its totals in len_q and len_k), num_maps maps
-// per sequence; the caller names their sources.
+// per sequence; the caller names their sources (and a KV cache's lengths).
 template <typename Params>
 SequencesPrepParams sequences_prep(const Params& p, int num_maps) {
   SequencesPrepParams prep{};
@@ -86,7 +92,7 @@ cudaError_t prepare_sequences(const SequencesPrepParams& prep, const SeqMapTempl
 struct SeqTile {
   int index;  // its place in the order; -1: the CTA is done
   int batch, m_block, head;
-  int q_offset, len_q, len_k;  // the sequence's first row in q, out and lse; its lengths
+  int q_offset, len_q, len_k;  // the sequence's first row in q, out and lse (packed); its lengths
   int unused;
 };
 static_assert(sizeof(SeqTile) == 8 * sizeof(int), "a mailbox slot");

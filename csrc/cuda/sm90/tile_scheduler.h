@@ -115,8 +115,8 @@ constexpr int64_t stream_k_partial_floats(int head_dim) { return 32 * (head_dim 
 // loop needs is kept; the rest is derived where it is used (the consumers are short of registers). Where tiles end at
 // L_q (kTilesEndAtLq) a head's first tile starts at a negative row (L_q mod 192 in 1..176): TMA zero-fills those rows
 // of Q, the consumers without rows there compute nothing, and no O or lse is stored for them. With packed sequences
-// (Traits::kSequences) rows and keys count from the sequence's first, batch is the sequence, and TMA goes through the
-// sequence's own maps (sequences.h) at batch coordinate 0.
+// (Traits::kSequences) rows and keys count from the sequence's first, batch is the sequence (or a KV cache's entry),
+// and TMA goes through the sequence's own maps (sequences.h) at batch coordinate 0.
 template <typename Traits, bool kCausal>
 struct Tile {
   using Mask = FwdMask<Traits, kCausal>;
@@ -160,16 +160,16 @@ struct Tile {
   __device__ int m_end(const FwdParams& p) const { return min(m_start + Traits::kBlockM, len_q(p)); }
   __device__ int key_start(int n_block) const { return n_block * Traits::kBlockN; }  // the key block's first key
   __device__ int kv_head(const FwdParams& p) const { return head / p.heads_per_kv; }
+  // Its out rows, and its lse rows: (B, H, Lq), or (H, total_q) packed (a KV cache's entries are not).
   template <typename T>
   __device__ T* out(const FwdParams& p) const {
-    if constexpr (Traits::kSequences) {
-      return static_cast<T*>(p.out) + q_offset * p.o_row_stride + head * p.o_head_stride;
+    if (Traits::kSequences && p.cu_seqlens_q != nullptr) {
+      return static_cast<T*>(p.out) + static_cast<int64_t>(q_offset) * p.o_row_stride + head * p.o_head_stride;
     }
     return static_cast<T*>(p.out) + batch * p.o_batch_stride + head * p.o_head_stride;
   }
-  // Its lse rows: (B, H, Lq), or (H, total_q) packed.
   __device__ float* lse(const FwdParams& p) const {
-    if constexpr (Traits::kSequences) return p.lse + static_cast<int64_t>(head) * p.len_q + q_offset;
+    if (Traits::kSequences && p.cu_seqlens_q != nullptr) return p.lse + static_cast<int64_t>(head) * p.len_q + q_offset;
     return p.lse + (static_cast<int64_t>(batch) * p.heads + head) * p.len_q;
   }
   // The tensor map of q, k, v or out (SeqMap) its TMA goes through, `dense` but for packed sequences, and the batch
@@ -317,9 +317,10 @@ struct DynamicScheduler {
   }
 };
 
-// Packed sequences: the producer takes tile indices from p.tile_counter, as DynamicScheduler does, and decodes each
-// (its rank by binary search over p.seq_tile_start, the rank's sequence, head and query block: longest rows first
-// under a causal mask) before it publishes it; a CTA's indices only grow, so each search starts at the last rank.
+// Packed sequences (or a KV cache's entries): the producer takes tile indices from p.tile_counter, as DynamicScheduler
+// does, and decodes each (its rank by binary search over p.seq_tile_start, the rank's sequence, head and query block:
+// longest rows first under a causal mask) before it publishes it; a CTA's indices only grow, so each search starts at
+// the last rank.
 template <int kBlockM, bool kCausal>
 struct SequenceScheduler {
   static constexpr int kSlotInts = sizeof(SeqTile) / sizeof(int);
@@ -343,9 +344,15 @@ struct SequenceScheduler {
     }
     const int b = __ldg(p.seq_order + rank);
     const int local = index - __ldg(p.seq_tile_start + rank);
-    tile.q_offset = clamped_offset(p.cu_seqlens_q, b, p.len_q);
-    tile.len_q = max(0, clamped_offset(p.cu_seqlens_q, b + 1, p.len_q) - tile.q_offset);
-    tile.len_k = max(0, clamped_offset(p.cu_seqlens_k, b + 1, p.len_k) - clamped_offset(p.cu_seqlens_k, b, p.len_k));
+    if (p.cu_seqlens_q != nullptr) {
+      tile.q_offset = clamped_offset(p.cu_seqlens_q, b, p.len_q);
+      tile.len_q = max(0, clamped_offset(p.cu_seqlens_q, b + 1, p.len_q) - tile.q_offset);
+      tile.len_k = max(0, clamped_offset(p.cu_seqlens_k, b + 1, p.len_k) - clamped_offset(p.cu_seqlens_k, b, p.len_k));
+    } else {  // a KV cache's entry
+      tile.q_offset = 0;
+      tile.len_q = p.len_q;
+      tile.len_k = entry_keys(p, b).len;
+    }
     const int m_blocks = sequence_m_blocks(tile.len_q, kBlockM);
     tile.head = local / m_blocks;
     const int m_index = local - tile.head * m_blocks;
