@@ -14,7 +14,8 @@ function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S,
 no mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are
 cut to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
 back; a static cache's keys cut to the mask's width, as transformers' own FlashAttention path does; a left-padded batch
-decoding over a KV cache, without gradients, reads the cache in place from each row's first real key); packed batches
+decoding over a KV cache (on Hopper also a chunk of any length), without gradients, reads the cache in place from each
+row's first real key); packed batches
 (``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or, for a batch of one row, ``position_ids``
 where a sequence starts wherever a position is not the one before plus 1: read on the host, one synchronisation per
 layer); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32 inputs run
@@ -104,6 +105,17 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
 
 
 _DECODE_MAX_LEN_Q = 16  # the longest query of the CUDA decode path (shorter ones read a KV cache through it)
+
+
+def _reads_cache_in_place(query: Tensor, len_q: int) -> bool:
+    """Whether len_q query rows over a left-padded KV cache read it in place (flash_attn_with_kvcache) rather than
+    gather its real rows for the packed kernels: the decode path's few rows, and on Hopper chunks of any length (its
+    TMA forward; unless FLASHATTN_FWD_SM90=0: the portable KV-cache kernel is slower than the gather and the packed
+    one)."""
+    if len_q <= _DECODE_MAX_LEN_Q:
+        return True
+    return (query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) == (9, 0)
+            and os.environ.get("FLASHATTN_FWD_SM90") != "0")
 
 
 def _packed_backward_takes(q: Tensor) -> bool:
@@ -201,9 +213,9 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
     if attention_mask.shape[1] < len_k:  # a static cache: the slots past the mask's width are not written yet
         len_k = attention_mask.shape[1]
         key, value = key[:, :, :len_k], value[:, :, :len_k]
-    if len_k > len_q and len_q <= _DECODE_MAX_LEN_Q and not _needs_grad(query, key, value, options["sinks"]):
-        # Decoding over a KV cache of left-padded sequences (batched generation): read in place from each entry's
-        # first real key.
+    if len_k > len_q and _reads_cache_in_place(query, len_q) and not _needs_grad(query, key, value, options["sinks"]):
+        # Decoding (or a chunk) over a KV cache of left-padded sequences (batched generation): read in place from each
+        # entry's first real key.
         leftpad = _read_once(attention_mask, (len_q, len_k), _left_padding)
         if leftpad is not None:
             return flash_attn_with_kvcache(query, key, value, cache_leftpad=leftpad, **options).transpose(1, 2)

@@ -342,6 +342,28 @@ def test_left_padded_decoding_cuda_bf16(name):
 
 
 @pytest.mark.cuda
+def test_left_padded_chunk_over_a_cache_cuda(monkeypatch):
+    # A chunk of 40 new tokens over a left-padded batch's cache: on Hopper read in place (its TMA forward takes long
+    # chunks), elsewhere the real rows gathered for the packed kernels; the same values either way.
+    torch.manual_seed(5)
+    batch, heads, heads_kv, len_q, len_k, head_dim = 3, 8, 2, 40, 100, 64
+    query = torch.randn(batch, heads, len_q, head_dim, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(batch, len_k, dtype=torch.long, device="cuda")
+    for b, pad in enumerate([0, 6, 55]):
+        mask[b, :pad] = 0
+    calls = []
+    kvcache = fa_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(fa_hf, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(1) or kvcache(*a, **kw))
+    got = fa_hf._attention(query, key, value, mask, True, None, None, None, None)
+    hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90") != "0"
+    assert bool(calls) == hopper
+    monkeypatch.setattr(fa_hf, "_reads_cache_in_place", lambda *a: False)
+    gathered = fa_hf._attention(query, key, value, mask, True, None, None, None, None)
+    torch.testing.assert_close(got, gathered, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_packed_gradients_above_d128_cuda(monkeypatch, deterministic):
     # Above D128 a batch that needs gradients runs packed where the packed backward takes it (Hopper's kernel), else
