@@ -158,7 +158,7 @@ def flash_attn_with_kvcache(
     cache_leftpad: Optional[Tensor] = None,
 ):
     """Attention of new queries against a KV cache, forward only: a few (decoding; on CUDA up to 16 rows take the
-    split-KV decode path) or a chunk of a prompt (on Hopper over a dense cache, the TMA forward).
+    split-KV decode path) or a chunk of a prompt (on Hopper, the TMA forward).
 
     Args:
         q: (B, H, Lq, D) queries, the last Lq positions of each sequence.

@@ -113,7 +113,9 @@ KVCACHE_CASES = [
     (3, 8, 2, 37, 37, 700, 128, 0),  # query chunks past the decode path: on Hopper, its TMA forward
     (2, 4, 2, 200, 0, 333, 64, 0),
     (2, 4, 4, 130, 5, 300, 256, 0),
-    (2, 8, 2, 40, 40, 512, 128, 64),  # a chunk against pages: the portable forward
+    (2, 8, 2, 40, 40, 512, 128, 64),  # chunks against pages: a box per page (Hopper)
+    (3, 4, 2, 150, 7, 528, 256, 16),
+    (2, 4, 2, 100, 3, 480, 64, 24),  # pages the Hopper kernel cannot box: the portable forward
 ]
 
 

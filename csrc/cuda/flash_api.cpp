@@ -761,9 +761,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 // ==== KV cache ======================================================================================================
 //
 // The new keys and values are written into the cache on the device (positions from cache_seqlens, never read on the
-// host), then the decode path (a few query rows), the Hopper sequences variant (a dense cache whose entries TMA can
-// map) or the sm80 sequences variant attends over each entry's valid keys, from a dense cache or through the block
-// table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are
+// host), then the decode path (a few query rows), the Hopper sequences variant (where TMA can map the cache:
+// sm90_maps_kvcache) or the sm80 sequences variant attends over each entry's valid keys, from a dense cache or through
+// the block table. cache_seqlens and block_table values are not checked on CUDA: out-of-range ones are
 // clamped into the cache (wrong rows, never an access outside it).
 
 // Writes the new keys and values into the caches at the positions the lengths give (KvAppendParams); lengths and
@@ -799,6 +799,27 @@ cudaError_t append_to_kvcache(const KvCacheShape& ks, const at::Tensor& k, const
   }
   a.chunk = aligned ? 8 : 1;
   return run_kvcache_append(a, stream);
+}
+
+// Whether the Hopper forward can take KV cache call `p`: TMA maps over its first entry (sm90/sequences.h moves them to
+// each entry's rows on the device; every stride being a multiple of 8 elements, each entry's start is 16-byte
+// aligned) and, for a paged cache, over the pages, with pages of a multiple of 8 rows (whole 128-byte swizzle atoms)
+// that divide the kernel's key blocks or that they divide (a block's box never crosses a page).
+bool sm90_maps_kvcache(const FwdParams& p, int bucket, bool is_bf16, c10::DeviceIndex device) {
+#ifdef FLASHATTN_WITH_SM90
+  FwdParams first_entry = p;
+  first_entry.batch = 1;
+  if (p.block_table != nullptr) first_entry.len_k = p.page_size;  // a page's rows
+  if (!tma_maps_inputs(first_entry, is_bf16, device)) return false;
+  if (p.block_table == nullptr) return true;
+  const int block_n = sm90::fwd_sequences_tile_shape(sm90_kernel_head_dim(bucket), p.causal).block_n;
+  if (p.page_size % 8 != 0 || (p.page_size % block_n != 0 && block_n % p.page_size != 0)) return false;
+  CUtensorMap k_map, v_map;
+  return sm90::make_page_maps(p, is_bf16, block_n, &k_map, &v_map);
+#else
+  (void)p, (void)bucket, (void)is_bf16, (void)device;
+  return false;
+#endif
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -858,19 +879,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
   }
   const FwdDevice device = fwd_device(q);
   const Switches& sw = switches();
-  // The Hopper kernel's maps over the first entry, moved to each entry's rows on the device (16-byte aligned starts:
-  // every stride is a multiple of 8 elements).
-  FwdParams first_entry = p;
-  first_entry.batch = 1;
   if (decode_applies(p, bucket, device, sw)) {
     p.plan = plan_decode(p, bucket, device.num_sms, num_splits, sw);
-  } else if (fwd_wants_sm90(bucket, device, sw) && !ks.paged &&
-             tma_maps_inputs(first_entry, q.scalar_type() == at::kBFloat16, q.get_device())) {
+  } else if (fwd_wants_sm90(bucket, device, sw) &&
+             sm90_maps_kvcache(p, bucket, q.scalar_type() == at::kBFloat16, q.get_device())) {
     p.plan = plan_fwd_sequences(p, bucket, device);
   } else {
-    TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw) || ks.paged, op,
+    const std::string pages = ks.paged ? c10::str(", or pages of ", ks.page_size, " rows: it takes pages of a "
+                                                  "multiple of 8 rows that divide its key blocks or that they divide")
+                                       : std::string();
+    TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw), op,
                 ": FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot describe the "
-                "strides of q or the caches)");
+                "strides of q or the caches", pages, ")");
     p.plan = plan_fwd_sm80(bucket, device, sw);
   }
   check_fits(p.plan, device, op);

@@ -59,7 +59,7 @@ inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t 
   return plan;
 }
 
-// Packed sequences on Hopper (`p` a packed call's params, or a dense KV cache's: its entries as the sequences): one
+// Packed sequences on Hopper (`p` a packed call's params, or a KV cache call's: its entries as the sequences): one
 // tile shape per head dim, every SM, tiles from a counter in the order the preparation builds on the device.
 inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device) {
   FwdPlan plan{};

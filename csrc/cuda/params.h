@@ -81,7 +81,7 @@ struct FwdParams {
   // len_k are the totals, and lse is (heads, total_q). (Last: the dense kernels' parameter layout stays as it was.)
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
-  // A KV cache (the sm80 sequences variant; on Hopper, a dense cache's entries as sequences): seqlens_k, int32
+  // A KV cache (the sm80 sequences variant; on Hopper, the entries as sequences): seqlens_k, int32
   // (batch,), each entry's valid keys before the len_new appended ones (their sum clamped to len_k, the cache's
   // capacity), or null: len_k. block_table, int32 (batch, block_table_stride), or null: a paged cache, whose k/v batch
   // strides are then the page strides (num_pages pages of page_size rows).
@@ -98,7 +98,7 @@ struct FwdParams {
   // (splits, B, H, Lq), merged by the combine pass (decode.h).
   float* split_out;
   float* split_lse;
-  // Packed sequences, or a dense KV cache's entries (cu_seqlens_q null), on Hopper (the sm90 sequences variants;
+  // Packed sequences, or a KV cache's entries (cu_seqlens_q null), on Hopper (the sm90 sequences variants;
   // sm90/sequences.h builds these on the device before the launch): seq_order, the sequences in the order their tiles
   // run (longest first); seq_tile_start (batch + 1), each rank's first tile in that order; seq_maps, four CUtensorMaps
   // per sequence (q, k, v, out: its rows only), 128-byte aligned. The tiles come from tile_counter.

@@ -522,6 +522,90 @@ def test_cuda_chunk_each_kernel(head_dim, layout):
         torch.testing.assert_close(lse_a, lse_b, rtol=1e-3, atol=1e-3)
 
 
+PAGED_CHUNKS = [(200, 37, [0, 113, 333, 731]), (17, 0, [0, 5, 333, 768])]  # (rows, appended rows, cache lengths)
+
+
+def paged_chunks(head_dim, page_size, token_major=False, seed=0):
+    """Chunks of query rows against a 768-row bf16 cache (H8 / Hk2; PAGED_CHUNKS' entry lengths, NaN past them), dense
+    and as `page_size`-row pages in a random order (spare pages NaN; token_major: (num_pages, page_size, Hk, D) pages
+    transposed), for each score modification; each dense entry checked against the reference. Run in a process of its
+    own to pick a kernel (FLASHATTN_FWD_SM90); returns ((dense out, lse), (paged out, lse)) pairs."""
+    torch.manual_seed(seed)
+    batch, heads, heads_kv, capacity = 4, 8, 2, 768
+    opts = dict(dtype=torch.bfloat16, device="cuda")
+    per_entry = capacity // page_size
+    num_pages = batch * per_entry + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: batch * per_entry]
+    block_table = order.view(batch, per_entry).to(torch.int32).cuda()
+    results = []
+    for len_q, len_new, lengths in PAGED_CHUNKS:
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        for mods in MODS:
+            kwargs = dict(MODS[mods])
+            if kwargs.get("sinks"):
+                kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
+            k_cache, v_cache = (torch.randn(batch, heads_kv, capacity, head_dim, **opts) for _ in range(2))
+            for cache in (k_cache, v_cache):
+                for b, n in enumerate(lengths):
+                    cache[b, :, n:] = float("nan")
+            if token_major:
+                pages = [torch.full((num_pages, page_size, heads_kv, head_dim), float("nan"), **opts).transpose(1, 2)
+                         for _ in range(2)]
+            else:
+                pages = [torch.full((num_pages, heads_kv, page_size, head_dim), float("nan"), **opts) for _ in range(2)]
+            for cache, paged in zip((k_cache, v_cache), pages):
+                paged[block_table.view(-1).long()] = cache.view(batch, heads_kv, per_entry, page_size,
+                                                                head_dim).transpose(1, 2).reshape(-1, heads_kv,
+                                                                                                  page_size, head_dim)
+            q = torch.randn(batch, heads, len_q, head_dim, **opts)
+            k, v = (torch.randn(batch, heads_kv, len_new, head_dim, **opts) if len_new else None for _ in range(2))
+            dense = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
+                                                          **kwargs)
+            paged = flashattn_ext.flash_attn_with_kvcache(q, pages[0], pages[1], k, v, seqlens, block_table,
+                                                          return_lse=True, **kwargs)
+            assert torch.isfinite(paged[0]).all(), "no row past an entry's keys may reach the output"
+            for b, n in enumerate(lengths):
+                for t in range(len_new):  # the appended rows, in the dense cache and in their pages
+                    page, row = int(block_table[b, (n + t) // page_size]), (n + t) % page_size
+                    for cache, paged_cache, new in ((k_cache, pages[0], k), (v_cache, pages[1], v)):
+                        assert torch.equal(cache[b, :, n + t], new[b, :, t])
+                        assert torch.equal(paged_cache[page, :, row], new[b, :, t])
+                e = slice(b, b + 1)
+                rows = slice(0, n + len_new)
+                assert_attention_close(dense[0][e], dense[1][e], q[e], k_cache[e, :, rows], v_cache[e, :, rows],
+                                       **kwargs)
+            results.append((dense, paged))
+    return results
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim,page_size,token_major", [
+    (64, 16, False), (128, 8, False), (128, 64, True), (128, 128, False), (128, 256, False), (256, 16, False),
+    (256, 64, True)])
+def test_cuda_paged_chunk_each_kernel(head_dim, page_size, token_major):
+    # A chunk against pages (a box per page, several per key block, or a block's part of a page) gives the dense
+    # cache's output: bit for bit in the Hopper kernel (strict: it must take the call), close in the portable one.
+    args = ("op.test_kvcache", "paged_chunks", head_dim, page_size, token_major)
+    for dense, paged in run_isolated({"FLASHATTN_FWD_SM90": "0"}, *args):
+        torch.testing.assert_close(paged, dense, rtol=2e-2, atol=2e-2)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's half (the portable one's passed)")
+    for dense, paged in run_isolated({"FLASHATTN_FWD_SM90": "strict"}, *args):
+        assert torch.equal(paged[0], dense[0]) and torch.equal(paged[1], dense[1])
+
+
+@pytest.mark.cuda
+def test_cuda_pages_the_hopper_kernel_cannot_box():
+    # 24-row pages neither divide the kernel's key blocks nor are divided by them: the portable kernel takes the
+    # chunk (right), and strict mode says why.
+    for dense, paged in run_isolated({"FLASHATTN_FWD_SM90": "1"}, "op.test_kvcache", "paged_chunks", 128, 24):
+        torch.testing.assert_close(paged, dense, rtol=2e-2, atol=2e-2)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's half (the portable one's passed)")
+    with pytest.raises(RuntimeError, match="pages of 24 rows"):
+        run_isolated({"FLASHATTN_FWD_SM90": "strict"}, "op.test_kvcache", "paged_chunks", 128, 24)
+
+
 @pytest.mark.cuda
 def test_cuda_short_queries_without_the_decode_path():
     # FLASHATTN_DECODE=0 sends a few query rows to the forward kernels: on Hopper (strict) the TMA one, whose maps

@@ -24,6 +24,7 @@ cudaError_t prepare_fwd_sequences(const FwdParams& params, const CUtensorMap& q_
   prep.seqlens_k = params.seqlens_k;
   prep.leftpad_k = params.leftpad_k;
   prep.len_new = params.len_new;
+  prep.page_size = params.block_table != nullptr ? params.page_size : 0;
   prep.block_m = Traits::kBlockM;
   const bool entries = params.cu_seqlens_q == nullptr;
   const auto source = [&](const void* base, int64_t batch_stride, int64_t row_stride, bool query_rows) {
@@ -52,6 +53,11 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   CUtensorMap q_map, k_map, v_map, o_map{};
   // The plan checked the maps' rules (tma.h: tma_can_map); the driver refusing one is unexpected.
   if (!make_qkv_maps(shape, kBf16, Traits::kBlockM / Traits::kQParts, Traits::kBlockN, &q_map, &k_map, &v_map)) {
+    return cudaErrorNotSupported;
+  }
+  // A paged KV cache: K and V through maps over the pages (kv_boxes: a box per page, or per block of a larger page).
+  if (Traits::kSequences && params.block_table != nullptr && !make_page_maps(params, kBf16, Traits::kBlockN, &k_map,
+                                                                              &v_map)) {
     return cudaErrorNotSupported;
   }
   // O in boxes of one warp's 16 rows, all its columns in one where the kernel stores them so (the output is ours: its

@@ -120,6 +120,7 @@ struct FwdProducer {
   bool v_held = false;
   int held_v_row = 0, held_v_head = 0, held_v_batch = 0;
   const CUtensorMap* held_v_map = nullptr;
+  int held_v_entry = 0, held_v_len_k = 0;  // a paged KV cache's: the entry and its keys (kv_boxes)
 
   // Before a stage holding a staged O (its bit in `holds`) is reloaded, the O has to have left (`freed[stage]`).
   __device__ static void wait_staged_o_left(uint32_t& holds, uint32_t& parity, uint64_t* freed, int stage) {
@@ -130,16 +131,48 @@ struct FwdProducer {
     }
   }
 
-  // V of the block whose K was load number `count`.
-  __device__ void load_v(int count, const CUtensorMap* map, int row, int kv_head, int batch) {
+  // The sequences variants' K or V block (kBlockN keys from `row` of its sequence) into `dst`, through the sequence's
+  // map; from a paged KV cache (block_table) a box per page (a block's part of a page of kBlockN rows or more) through
+  // the pages' map (`pages`), the page that holds the entry's last keys through the entry's map (its rows past them
+  // zero-filled), and pages past them at an index past the cache (zero-filled too): no row past the entry's keys
+  // reaches the block. The other kernels keep their own loops (one helper for all changed the D256 kernels' SASS).
+  __device__ void kv_boxes(T* dst, const CUtensorMap* map, const CUtensorMap& pages, uint64_t* full, int row,
+                           int kv_head, int batch, int entry, int len_k) {
+    if (p.block_table == nullptr) {
+      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+        tma_load_4d(dst + c * Traits::kSubTileKV, map, full, 64 * c, row, kv_head, batch);
+      }
+      return;
+    }
+    const int* const table = p.block_table + static_cast<int64_t>(entry) * p.block_table_stride;
+    const int box_rows = min(p.page_size, Traits::kBlockN);
+    for (int r = 0; r < Traits::kBlockN; r += box_rows) {
+      const int key = row + r;
+      const int slot = p.page_of.div(key);
+      const int page_first = slot * p.page_size;
+      const int page = key < len_k ? min(max(__ldg(table + slot), 0), p.num_pages - 1) : p.num_pages;
+      const CUtensorMap* const box_map = key < len_k && page_first + p.page_size > len_k ? map : &pages;
+      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+        tma_load_4d(dst + c * Traits::kSubTileKV + r * 64, box_map, full, 64 * c, key - page_first, kv_head, page);
+      }
+    }
+  }
+
+  // V of the block whose K was load number `count` (the sequences variants: of entry `entry` with len_k keys).
+  __device__ void load_v(int count, const CUtensorMap* map, int row, int kv_head, int batch, int entry = 0,
+                         int len_k = 0) {
     const int stage = count % kStages;
     const int use = count / kStages;
     if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
     if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
     mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
-    for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-      tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, map, &smem.v_full[stage], 64 * c, row, kv_head,
-                  batch);
+    if constexpr (Traits::kSequences) {
+      kv_boxes(smem.v_stage(stage), map, v_map, &smem.v_full[stage], row, kv_head, batch, entry, len_k);
+    } else {
+      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, map, &smem.v_full[stage], 64 * c, row, kv_head,
+                    batch);
+      }
     }
   }
 
@@ -181,16 +214,25 @@ struct FwdProducer {
         const int use = kv_loads / Traits::kKStages;
         if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
         mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
-        for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-          tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c,
-                      tile.key_start(n_block), tile.kv_head(p), batch);
+        if constexpr (Traits::kSequences) {
+          kv_boxes(smem.k_stage(stage), k_tile_map, k_map, &smem.k_full[stage], tile.key_start(n_block),
+                   tile.kv_head(p), batch, tile.batch, tile.len_k(p));
+        } else {
+          for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+            tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c,
+                        tile.key_start(n_block), tile.kv_head(p), batch);
+          }
         }
         release_held_v();
         v_held = true;
         held_v_row = tile.key_start(n_block);
         held_v_head = tile.kv_head(p);
         held_v_batch = batch;
-        if constexpr (Traits::kSequences) held_v_map = v_tile_map;
+        if constexpr (Traits::kSequences) {
+          held_v_map = v_tile_map;
+          held_v_entry = tile.batch;
+          held_v_len_k = tile.len_k(p);
+        }
         continue;
       }
       const int stage = kv_loads % kStages;
@@ -199,24 +241,37 @@ struct FwdProducer {
       if (use > 0) mbarrier_wait(&smem.k_empty[stage], (use - 1) & 1);
       if constexpr (Traits::kFirstOInK) wait_staged_o_left(o_in_k, o_in_k_parity, smem.o_in_k_free, stage);
       mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kTileKV * sizeof(T));
-      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c, row,
-                    tile.kv_head(p), batch);
+      if constexpr (Traits::kSequences) {
+        kv_boxes(smem.k_stage(stage), k_tile_map, k_map, &smem.k_full[stage], row, tile.kv_head(p), batch, tile.batch,
+                 tile.len_k(p));
+      } else {
+        for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+          tma_load_4d(smem.k_stage(stage) + c * Traits::kSubTileKV, k_tile_map, &smem.k_full[stage], 64 * c, row,
+                      tile.kv_head(p), batch);
+        }
       }
       if constexpr (Traits::kLoadOrder == KvLoadOrder::kKAheadInTile) {  // the V of the block before
-        if (n_block > n_begin) load_v(kv_loads - 1, v_tile_map, row - Traits::kBlockN, tile.kv_head(p), batch);
+        if (n_block > n_begin) {
+          load_v(kv_loads - 1, v_tile_map, row - Traits::kBlockN, tile.kv_head(p), batch, tile.batch, tile.len_k(p));
+        }
         continue;
       }
       if (use > 0) mbarrier_wait(&smem.v_empty[stage], (use - 1) & 1);
       if constexpr (Traits::kLastOInV) wait_staged_o_left(o_in_v, o_in_v_parity, smem.o_in_v_free, stage);
       mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kTileKV * sizeof(T));
-      for (int c = 0; c < Traits::kColumnBlocks; ++c) {
-        tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, v_tile_map, &smem.v_full[stage], 64 * c, row,
-                    tile.kv_head(p), batch);
+      if constexpr (Traits::kSequences) {
+        kv_boxes(smem.v_stage(stage), v_tile_map, v_map, &smem.v_full[stage], row, tile.kv_head(p), batch, tile.batch,
+                 tile.len_k(p));
+      } else {
+        for (int c = 0; c < Traits::kColumnBlocks; ++c) {
+          tma_load_4d(smem.v_stage(stage) + c * Traits::kSubTileKV, v_tile_map, &smem.v_full[stage], 64 * c, row,
+                      tile.kv_head(p), batch);
+        }
       }
     }
-    if (Traits::kLoadOrder == KvLoadOrder::kKAheadInTile && n_end > n_begin) {  // the tile's last V, before its stage
-      load_v(kv_loads - 1, v_tile_map, tile.key_start(n_end - 1), tile.kv_head(p), batch);  // is marked as O's
+    // The tile's last V, before its stage is marked as O's.
+    if (Traits::kLoadOrder == KvLoadOrder::kKAheadInTile && n_end > n_begin) {
+      load_v(kv_loads - 1, v_tile_map, tile.key_start(n_end - 1), tile.kv_head(p), batch, tile.batch, tile.len_k(p));
     }
     if (Traits::kLastOInV && n_end > n_begin) o_in_v |= 1u << ((kv_loads - 1) % kStages);  // the tile's last block
     if (Traits::kFirstOInK && n_end > n_begin) o_in_k |= 1u << ((kv_loads - 1) % kStages);
@@ -225,7 +280,7 @@ struct FwdProducer {
   // K ahead of V: the V held back (that of load kv_loads - 1), if any.
   __device__ void release_held_v() {
     if constexpr (Traits::kLoadOrder == KvLoadOrder::kKAheadAcrossTiles) {
-      if (v_held) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch);
+      if (v_held) load_v(kv_loads - 1, held_map(), held_v_row, held_v_head, held_v_batch, held_v_entry, held_v_len_k);
       v_held = false;
     }
   }

@@ -65,6 +65,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int w = 0; w < static_cast<int>(sizeof(CUtensorMap) / sizeof(uint4)); ++w) dst[w] = src[w];
     const EntryKeys rows = sequence_rows(prep, source.query_rows, b);
+    if (!source.query_rows && prep.page_size > 0) {  // the rows of the page that holds the entry's last keys
+      const int last_page_rows = rows.len - (rows.len - 1) / prep.page_size * prep.page_size;
+      tensormap_replace_dim<1>(map, static_cast<uint32_t>(rows.len > 0 ? last_page_rows : 1));
+      continue;
+    }
     const char* const first = source.base + b * source.entry_bytes + rows.first * source.row_bytes;
     tensormap_replace_address(map, rows.len > 0 ? first : source.base);
     tensormap_replace_dim<1>(map, static_cast<uint32_t>(max(rows.len, 1)));

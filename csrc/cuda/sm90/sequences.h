@@ -1,10 +1,11 @@
-// Packed sequences in the Hopper kernels, host and device halves; the forward takes a dense KV cache's entries as
-// sequences too (cu_seqlens_q null: each entry's len_q query rows, its keys from cache_seqlens and the left padding:
-// params.h, entry_keys). Before a kernel, one small kernel (sequences.cu) reads the lengths on the device (the host
-// never does) and writes:
+// Packed sequences in the Hopper kernels, host and device halves; the forward takes a KV cache's entries as sequences
+// too (cu_seqlens_q null: each entry's len_q query rows, its keys from cache_seqlens and the left padding: params.h,
+// entry_keys; a paged cache's keys through the pages' maps, fwd_mainloop.h: kv_boxes). Before a kernel, one small
+// kernel (sequences.cu) reads the lengths on the device (the host never does) and writes:
 //   tensor maps per sequence (forward: q, k, v, out; backward: q, k, v, dout, dq_accum) whose base is the
 //   sequence's first row and whose extent its length: TMA then zero-fills reads past the sequence's end and clips
-//   stores there, as it does at a dense tensor's end;
+//   stores there, as it does at a dense tensor's end (a paged cache's k and v: the pages' maps, each entry's cut to
+//   the rows of its last page);
 //   for the forward, the order in which the sequences' tiles run (longest keys first, so the short tiles come last)
 //   and each rank's first tile in that order (its sequence's query blocks times the heads, head by head), from which
 //   the producer decodes the tile indices it takes from a counter (tile_scheduler.h: SequenceScheduler).
@@ -58,6 +59,7 @@ struct SequencesPrepParams {
   const int* seqlens_k;
   const int* leftpad_k;
   int len_new;
+  int page_size;  // a paged cache's (key maps: the pages' map, cut to the rows of each entry's last page), or 0
   int batch, heads, total_q, total_k, block_m;
   int num_maps;
   SeqMapSource sources[kMaxSeqMaps];

@@ -102,6 +102,17 @@ bool make_qkv_maps(const Params& p, bool is_bf16, uint32_t q_box_rows, uint32_t 
                        p.v_head_stride, p.v_row_stride, kv_box_rows);
 }
 
+// A paged KV cache's maps (a FwdParams with a block table): over the (num_pages, Hk, page_size, D) k and v, boxes of a
+// page's rows, or of `block_n` rows where pages are longer. False if the driver rejects one.
+template <typename Params>
+bool make_page_maps(const Params& p, bool is_bf16, int block_n, CUtensorMap* k_map, CUtensorMap* v_map) {
+  const uint32_t box_rows = static_cast<uint32_t>(p.page_size < block_n ? p.page_size : block_n);
+  return make_bhld_map(k_map, p.k, is_bf16, p.num_pages, p.heads_kv, p.page_size, p.head_dim, p.k_batch_stride,
+                       p.k_head_stride, p.k_row_stride, box_rows) &&
+         make_bhld_map(v_map, p.v, is_bf16, p.num_pages, p.heads_kv, p.page_size, p.head_dim, p.v_batch_stride,
+                       p.v_head_stride, p.v_row_stride, box_rows);
+}
+
 // Whether TMA can describe q, k and v of `p` (a FwdParams or BwdParams) as they are: the driver encodes a map of each
 // (alignment, strides below 2^40 bytes, ...). The plan asks before it picks a Hopper kernel.
 template <typename Params>
