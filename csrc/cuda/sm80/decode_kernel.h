@@ -124,30 +124,33 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
                           kv_head * p.k_head_stride + first_row * p.k_row_stride;
   const T* const v_base = static_cast<const T*>(p.v) + (kPaged ? 0 : batch * p.v_batch_stride) +
                           kv_head * p.v_head_stride + first_row * p.v_row_stride;
-  // This thread copies one 16-byte column chunk of kKvSteps rows of each block, kRowsPerStep apart. Paged: their pages
-  // are read from the block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows,
-  // never an access outside it), so that no copy waits for the table. Where every block lies in one page (pages of a
-  // multiple of kBlockN rows, the band starting at a block boundary), that is one entry a block and the rows are
-  // reached by pointer steps as in a dense cache; otherwise each row has its own entry.
+  // This thread copies one 16-byte column chunk of kKvSteps rows of each block: in a dense cache rows kRowsPerStep
+  // apart, in a paged one consecutive rows, so that they lie in one page wherever the pages are a multiple of kKvSteps
+  // rows and the band starts at such a row (pages of 16 rows at D128). Paged: the pages are read from the block table
+  // a block ahead of the copies (clamped into the cache: a bad table gives wrong rows, never an access outside it), so
+  // that no copy waits for the table; where this thread's rows lie in one page, that is one entry a block and the rows
+  // are reached by pointer steps as in a dense cache, otherwise each row has its own entry.
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;
   constexpr int kKvSteps = kBlockN / kRowsPerStep;
   static_assert(kRowsPerStep * kChunksPerRow == Traits::kNThreads && kBlockN % kRowsPerStep == 0, "whole rows");
-  const int kv_row = threadIdx.x / kChunksPerRow, kv_col = (threadIdx.x % kChunksPerRow) * 8;
-  const int64_t k_step = kRowsPerStep * p.k_row_stride, v_step = kRowsPerStep * p.v_row_stride;
+  constexpr int kRowStep = kPaged ? 1 : kRowsPerStep;  // between this thread's rows
+  const int kv_col = (threadIdx.x % kChunksPerRow) * 8;
+  const int kv_row = threadIdx.x / kChunksPerRow * (kPaged ? kKvSteps : 1);  // this thread's first row in a block
+  const int64_t k_step = kRowStep * p.k_row_stride, v_step = kRowStep * p.v_row_stride;
   const int* const table = kPaged ? p.block_table + static_cast<int64_t>(batch) * p.block_table_stride : nullptr;
-  const bool block_in_page = kPaged && p.page_size % kBlockN == 0 && n_lo % kBlockN == 0;
+  const bool rows_in_page = kPaged && p.page_size % kKvSteps == 0 && n_lo % kKvSteps == 0;
   const auto page_at = [&](int r) { return min(max(__ldg(table + p.page_of.div(r)), 0), p.num_pages - 1); };
-  int pages[kPaged ? kKvSteps : 1];  // the next block's pages (one entry where it lies in one page), -1 past n_hi
+  int pages[kPaged ? kKvSteps : 1];  // the next block's pages (one where this thread's rows share one), -1 past n_hi
   const auto look_up = [&](int block) {
-    const int first = n_lo + block * kBlockN;
-    if (block_in_page) {
-      pages[0] = page_at(first);  // the same entry for every thread: one broadcast read
+    const int first = n_lo + block * kBlockN + kv_row;
+    if (rows_in_page) {
+      pages[0] = first < n_hi ? page_at(first) : -1;
       return;
     }
 #pragma unroll
     for (int step = 0; step < kKvSteps; ++step) {
-      const int r = first + kv_row + step * kRowsPerStep;
+      const int r = first + step * kRowStep;
       pages[step] = r < n_hi ? page_at(r) : -1;
     }
   };
@@ -155,36 +158,36 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     const int start = n_lo + block * kBlockN;
     T* const k_stage = sK + stage * Traits::kSmemKV;
     T* const v_stage = sV + stage * Traits::kSmemKV;
-    if (kPaged && !block_in_page) {
+    if (kPaged && !rows_in_page) {
 #pragma unroll
       for (int step = 0; step < kKvSteps; ++step) {
-        const int r = start + kv_row + step * kRowsPerStep;
+        const int r = start + kv_row + step * kRowStep;
         const bool valid = pages[step] >= 0 && kv_col < p.head_dim;
         const int64_t row_in_page = r - p.page_of.div(r) * p.page_size;
         const int64_t k_offset = pages[step] * p.k_batch_stride + row_in_page * p.k_row_stride + kv_col;
         const int64_t v_offset = pages[step] * p.v_batch_stride + row_in_page * p.v_row_stride + kv_col;
-        const int dst = Traits::offset(kv_row + step * kRowsPerStep, kv_col / 8);
+        const int dst = Traits::offset(kv_row + step * kRowStep, kv_col / 8);
         cp_async_16(k_stage + dst, valid ? k_base + k_offset : k_base, valid);
         cp_async_16(v_stage + dst, valid ? v_base + v_offset : v_base, valid);
       }
       return;
     }
-    // The block's rows by pointer steps from this thread's first: in the batch entry's rows, or in the block's page.
+    // This thread's rows by pointer steps from its first: in the batch entry's rows, or in their page.
     const int first = start + kv_row;
     int64_t row = first;
     const T* k_src = k_base;
     const T* v_src = v_base;
     if constexpr (kPaged) {
-      row = first - p.page_of.div(start) * p.page_size;
-      k_src += pages[0] * p.k_batch_stride;
-      v_src += pages[0] * p.v_batch_stride;
+      row = first - p.page_of.div(first) * p.page_size;
+      k_src += max(pages[0], 0) * p.k_batch_stride;  // -1: no row of this thread is valid
+      v_src += max(pages[0], 0) * p.v_batch_stride;
     }
     k_src += row * p.k_row_stride + kv_col;
     v_src += row * p.v_row_stride + kv_col;
 #pragma unroll
     for (int step = 0; step < kKvSteps; ++step) {
-      const bool valid = kv_col < p.head_dim && first + step * kRowsPerStep < n_hi;
-      const int dst = Traits::offset(kv_row + step * kRowsPerStep, kv_col / 8);
+      const bool valid = kv_col < p.head_dim && first + step * kRowStep < n_hi;
+      const int dst = Traits::offset(kv_row + step * kRowStep, kv_col / 8);
       cp_async_16(k_stage + dst, valid ? k_src : k_base, valid);
       cp_async_16(v_stage + dst, valid ? v_src : v_base, valid);
       k_src += k_step;
