@@ -885,12 +885,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
              sm90_maps_kvcache(p, bucket, q.scalar_type() == at::kBFloat16, q.get_device())) {
     p.plan = plan_fwd_sequences(p, bucket, device);
   } else {
-    const std::string pages = ks.paged ? c10::str(", or pages of ", ks.page_size, " rows: it takes pages of a "
-                                                  "multiple of 8 rows that divide its key blocks or that they divide")
-                                       : std::string();
+    const std::string page_rule = ks.paged ? c10::str(", or pages of ", ks.page_size, " rows: it takes pages of a "
+                                                      "multiple of 8 rows that divide its key blocks (128 keys, 64 "
+                                                      "at D256) or that they divide")
+                                           : std::string();
     TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw), op,
                 ": FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot describe the "
-                "strides of q or the caches", pages, ")");
+                "strides of q or the caches", page_rule, ")");
     p.plan = plan_fwd_sm80(bucket, device, sw);
   }
   check_fits(p.plan, device, op);
