@@ -126,10 +126,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
                           kv_head * p.v_head_stride + first_row * p.v_row_stride;
   // This thread copies one 16-byte column chunk of kKvSteps rows of each block: in a dense cache rows kRowsPerStep
   // apart, in a paged one consecutive rows, so that they lie in one page wherever the pages are a multiple of kKvSteps
-  // rows and the band starts at such a row (pages of 16 rows at D128). Paged: the pages are read from the block table
-  // a block ahead of the copies (clamped into the cache: a bad table gives wrong rows, never an access outside it), so
-  // that no copy waits for the table; where this thread's rows lie in one page, that is one entry a block and the rows
-  // are reached by pointer steps as in a dense cache, otherwise each row has its own entry.
+  // rows and the band starts at such a row (at D128: pages of a multiple of 8 rows). Paged: the pages are read from the
+  // block table a block ahead of the copies (clamped into the cache: a bad table gives wrong rows, never an access
+  // outside it), so that no copy waits for the table; where this thread's rows lie in one page, that is one entry a
+  // block and the rows are reached by pointer steps as in a dense cache, otherwise each row has its own entry.
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kRowsPerStep = Traits::kNThreads / kChunksPerRow;
   constexpr int kKvSteps = kBlockN / kRowsPerStep;
