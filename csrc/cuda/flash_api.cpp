@@ -803,8 +803,7 @@ cudaError_t append_to_kvcache(const KvCacheShape& ks, const at::Tensor& k, const
 
 // Whether the Hopper forward can take KV cache call `p`: TMA maps over its first entry (sm90/sequences.h moves them to
 // each entry's rows on the device; every stride being a multiple of 8 elements, each entry's start is 16-byte
-// aligned) and, for a paged cache, over the pages, with pages of a multiple of 8 rows (whole 128-byte swizzle atoms)
-// that divide the kernel's key blocks or that they divide (a block's box never crosses a page).
+// aligned) and, for a paged cache, over the pages, whose size the kernel's key blocks must box (sm90::boxes_pages).
 bool sm90_maps_kvcache(const FwdParams& p, int bucket, bool is_bf16, c10::DeviceIndex device) {
 #ifdef FLASHATTN_WITH_SM90
   FwdParams first_entry = p;
@@ -813,7 +812,7 @@ bool sm90_maps_kvcache(const FwdParams& p, int bucket, bool is_bf16, c10::Device
   if (!tma_maps_inputs(first_entry, is_bf16, device)) return false;
   if (p.block_table == nullptr) return true;
   const int block_n = sm90::fwd_sequences_tile_shape(sm90_kernel_head_dim(bucket), p.causal).block_n;
-  if (p.page_size % 8 != 0 || (p.page_size % block_n != 0 && block_n % p.page_size != 0)) return false;
+  if (!sm90::boxes_pages(p.page_size, block_n)) return false;
   CUtensorMap k_map, v_map;
   return sm90::make_page_maps(p, is_bf16, block_n, &k_map, &v_map);
 #else

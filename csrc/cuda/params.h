@@ -81,10 +81,10 @@ struct FwdParams {
   // len_k are the totals, and lse is (heads, total_q). (Last: the dense kernels' parameter layout stays as it was.)
   const int* __restrict__ cu_seqlens_q;
   const int* __restrict__ cu_seqlens_k;
-  // A KV cache (the sm80 sequences variant; on Hopper, the entries as sequences): seqlens_k, int32
-  // (batch,), each entry's valid keys before the len_new appended ones (their sum clamped to len_k, the cache's
-  // capacity), or null: len_k. block_table, int32 (batch, block_table_stride), or null: a paged cache, whose k/v batch
-  // strides are then the page strides (num_pages pages of page_size rows).
+  // A KV cache (the sm80 sequences variant; on Hopper, the entries as sequences): seqlens_k, int32 (batch,), each
+  // entry's valid keys before the len_new appended ones (their sum clamped to len_k, the cache's capacity), or null:
+  // len_k. block_table, int32 (batch, block_table_stride), or null: a paged cache, whose k/v batch strides are then the
+  // page strides (num_pages pages of page_size rows).
   const int* __restrict__ seqlens_k;
   // leftpad_k, int32 (batch,), or null: a dense cache's entry b starts at row leftpad_k[b] (left padding), its keys
   // [leftpad_k[b], its length).

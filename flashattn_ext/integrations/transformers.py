@@ -10,17 +10,16 @@ FlashAttention package (or hub kernel) to import, and refuses the model when the
 
 register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and the matching mask function to
 ``AttentionMaskInterface`` (FlashAttention's: no mask without padding, else the 2-D padding mask). The attention
-function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles:
-no mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are
-cut to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
+function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles: no
+mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are cut
+to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
 back; a static cache's keys cut to the mask's width, as transformers' own FlashAttention path does; a left-padded batch
 decoding over a KV cache (on Hopper also a chunk of any length), without gradients, reads the cache in place from each
-row's first real key); packed batches
-(``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or, for a batch of one row, ``position_ids``
-where a sequence starts wherever a position is not the one before plus 1: read on the host, one synchronisation per
-layer); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32 inputs run
-in the autocast dtype (else bf16) and the output comes back in the inputs' dtype. Dropout > 0 in training raises.
-transformers is imported lazily.
+row's first real key); packed batches (``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or,
+for a batch of one row, ``position_ids`` where a sequence starts wherever a position is not the one before plus 1: read
+on the host, one synchronisation per layer); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and
+``is_causal``. On CUDA fp32 inputs run in the autocast dtype (else bf16) and the output comes back in the inputs' dtype.
+Dropout > 0 in training raises. transformers is imported lazily.
 
 Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims above 128
 only on Hopper; elsewhere a batch that needs their gradients goes through one dense call per sequence instead, which

@@ -145,7 +145,7 @@ struct FwdProducer {
       return;
     }
     const int* const table = p.block_table + static_cast<int64_t>(entry) * p.block_table_stride;
-    const int box_rows = min(p.page_size, Traits::kBlockN);
+    const int box_rows = page_box_rows(p.page_size, Traits::kBlockN);
     for (int r = 0; r < Traits::kBlockN; r += box_rows) {
       const int key = row + r;
       const int slot = p.page_of.div(key);

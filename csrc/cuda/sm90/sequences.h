@@ -43,6 +43,16 @@ inline constexpr int kMaxSortedSequences = 2048;
 // A sequence's query blocks.
 __host__ __device__ constexpr int sequence_m_blocks(int len_q, int block_m) { return (len_q + block_m - 1) / block_m; }
 
+// A paged KV cache in the forward (block_n-key blocks): pages of a multiple of 8 rows (whole 128-byte swizzle atoms)
+// that divide the key blocks or that they divide, so that no TMA box crosses a page; a box is a page's rows, or a key
+// block's where pages are longer.
+__host__ __device__ constexpr bool boxes_pages(int page_size, int block_n) {
+  return page_size % 8 == 0 && (page_size % block_n == 0 || block_n % page_size == 0);
+}
+__host__ __device__ constexpr int page_box_rows(int page_size, int block_n) {
+  return page_size < block_n ? page_size : block_n;
+}
+
 // A tensor the preparation maps per sequence: its base, the bytes from row to row and (a cache's entries) from entry
 // to entry, and whether its rows are the queries' or the keys'.
 struct SeqMapSource {

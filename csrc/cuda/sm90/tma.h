@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cuda/sm90/sequences.h"
+
 namespace flashattn::sm90 {
 
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -102,11 +104,11 @@ bool make_qkv_maps(const Params& p, bool is_bf16, uint32_t q_box_rows, uint32_t 
                        p.v_head_stride, p.v_row_stride, kv_box_rows);
 }
 
-// A paged KV cache's maps (a FwdParams with a block table): over the (num_pages, Hk, page_size, D) k and v, boxes of a
-// page's rows, or of `block_n` rows where pages are longer. False if the driver rejects one.
+// A paged KV cache's maps (a FwdParams with a block table): over the (num_pages, Hk, page_size, D) k and v, boxes of
+// page_box_rows rows. False if the driver rejects one.
 template <typename Params>
 bool make_page_maps(const Params& p, bool is_bf16, int block_n, CUtensorMap* k_map, CUtensorMap* v_map) {
-  const uint32_t box_rows = static_cast<uint32_t>(p.page_size < block_n ? p.page_size : block_n);
+  const auto box_rows = static_cast<uint32_t>(page_box_rows(p.page_size, block_n));
   return make_bhld_map(k_map, p.k, is_bf16, p.num_pages, p.heads_kv, p.page_size, p.head_dim, p.k_batch_stride,
                        p.k_head_stride, p.k_row_stride, box_rows) &&
          make_bhld_map(v_map, p.v, is_bf16, p.num_pages, p.heads_kv, p.page_size, p.head_dim, p.v_batch_stride,
