@@ -333,22 +333,27 @@ def cuda_caches(lengths, dtype=torch.bfloat16):
     k_cache = torch.randn(B, HK, CUDA_LMAX, CUDA_D, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
     for cache in (k_cache, v_cache):
-        for b, n in enumerate(lengths):
-            cache[b, :, n:] = float("nan")
+        poison_past(cache, lengths)
     return k_cache, v_cache
 
 
-def cuda_pages(k_cache, v_cache, page_size, seed=0):
-    """The dense caches' contents as pages in a random order (spare pages NaN) and the block table."""
-    per_entry = CUDA_LMAX // page_size
-    num_pages = B * per_entry + 5
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: B * per_entry]
-    block_table = order.view(B, per_entry).to(torch.int32).cuda()
-    pages = [torch.full((num_pages, HK, page_size, CUDA_D), float("nan"), dtype=k_cache.dtype, device="cuda")
-             for _ in range(2)]
+def cuda_pages(k_cache, v_cache, page_size, seed=0, token_major=False):
+    """The dense (B, Hk, L, D) caches' contents as pages in a random order (spare pages NaN; token_major:
+    (num_pages, page_size, Hk, D) pages transposed) and the block table."""
+    batch, heads_kv, capacity, head_dim = k_cache.shape
+    per_entry = capacity // page_size
+    num_pages = batch * per_entry + 5
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: batch * per_entry]
+    block_table = order.view(batch, per_entry).to(torch.int32).cuda()
+    opts = dict(dtype=k_cache.dtype, device="cuda")
+    if token_major:
+        pages = [torch.full((num_pages, page_size, heads_kv, head_dim), float("nan"), **opts).transpose(1, 2)
+                 for _ in range(2)]
+    else:
+        pages = [torch.full((num_pages, heads_kv, page_size, head_dim), float("nan"), **opts) for _ in range(2)]
     for cache, paged in zip((k_cache, v_cache), pages):
-        paged[block_table.view(-1).long()] = cache.view(B, HK, per_entry, page_size, CUDA_D).transpose(1, 2).reshape(
-            -1, HK, page_size, CUDA_D)
+        paged[block_table.view(-1).long()] = cache.view(batch, heads_kv, per_entry, page_size, head_dim).transpose(
+            1, 2).reshape(-1, heads_kv, page_size, head_dim)
     return pages[0], pages[1], block_table
 
 
@@ -533,10 +538,6 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0):
     torch.manual_seed(seed)
     batch, heads, heads_kv, capacity = 4, 8, 2, 768
     opts = dict(dtype=torch.bfloat16, device="cuda")
-    per_entry = capacity // page_size
-    num_pages = batch * per_entry + 3
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: batch * per_entry]
-    block_table = order.view(batch, per_entry).to(torch.int32).cuda()
     results = []
     for len_q, len_new, lengths in PAGED_CHUNKS:
         seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
@@ -546,17 +547,8 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0):
                 kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
             k_cache, v_cache = (torch.randn(batch, heads_kv, capacity, head_dim, **opts) for _ in range(2))
             for cache in (k_cache, v_cache):
-                for b, n in enumerate(lengths):
-                    cache[b, :, n:] = float("nan")
-            if token_major:
-                pages = [torch.full((num_pages, page_size, heads_kv, head_dim), float("nan"), **opts).transpose(1, 2)
-                         for _ in range(2)]
-            else:
-                pages = [torch.full((num_pages, heads_kv, page_size, head_dim), float("nan"), **opts) for _ in range(2)]
-            for cache, paged in zip((k_cache, v_cache), pages):
-                paged[block_table.view(-1).long()] = cache.view(batch, heads_kv, per_entry, page_size,
-                                                                head_dim).transpose(1, 2).reshape(-1, heads_kv,
-                                                                                                  page_size, head_dim)
+                poison_past(cache, lengths)
+            *pages, block_table = cuda_pages(k_cache, v_cache, page_size, seed, token_major)
             q = torch.randn(batch, heads, len_q, head_dim, **opts)
             k, v = (torch.randn(batch, heads_kv, len_new, head_dim, **opts) if len_new else None for _ in range(2))
             dense = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
