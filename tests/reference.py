@@ -124,6 +124,11 @@ def relative_error(x: Tensor, ref: Tensor) -> float:
     return ((x - ref).norm() / ref.norm()).item()
 
 
+def flat_grads(model: torch.nn.Module) -> Tensor:
+    """Every parameter's gradient, flattened into one float32 vector (parameters without one left out)."""
+    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+
+
 def max_abs_error(x: Tensor, ref: Tensor, rows: Optional[Tensor] = None) -> float:
     """max |x - ref| over the query rows selected by the (Lq,) mask `rows` (all rows by default)."""
     diff = (x.to(ref.dtype) - ref).abs()

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext
 from flashattn_ext.integrations import sdpa
-from reference import assert_grads_close, leaves, make_qkv, relative_error
+from reference import assert_grads_close, flat_grads, leaves, make_qkv, relative_error
 
 attention = pytest.importorskip("torch.nn.attention")
 if not hasattr(attention, "activate_flash_attention_impl"):
@@ -245,7 +245,7 @@ def train_losses(model, batches, steps=3):
 def first_step_grads(model, batch):
     """Every parameter's gradient of one step, flattened (float32)."""
     model(batch).backward()
-    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    return flat_grads(model)
 
 
 def compare_training(make_model, make_batches, op):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_ext
-from reference import relative_error, repeat_kv
+from reference import flat_grads, relative_error, repeat_kv
 
 
 class TinyLM(torch.nn.Module):
@@ -70,7 +70,7 @@ def train(model, tokens, steps, autocast_dtype=None):
 def first_step_grads(model, tokens, autocast_dtype):
     """Every parameter's gradient of the first step, flattened (float32); the model is left without gradients."""
     next_token_loss(model, tokens, autocast_dtype).backward()
-    grads = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    grads = flat_grads(model)
     model.zero_grad(set_to_none=True)
     return grads
 
