@@ -14,8 +14,9 @@ With --append, kvcache and paged also write one new token per call (k, v given, 
 step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time); with
 --len-q above 1 (a chunk of queries, the cache's last rows in the causal case: bottom-right), TFLOP/s instead (4 * B * H
 * D times the visible query-key pairs). cuDNN is left out of causal chunks (SDPA's causal mask is top-left). Points
-whose cache would exceed --max-cache-gib are skipped. A CSV row per point goes to --out, and a bar chart of the rates
-(PNG, with matplotlib; --no-plot skips it). `bench_sdpa.py --mode decode` runs this script with its other arguments.
+whose cache would exceed --max-cache-gib, or not fit in the GPU's free memory beside its pages, are skipped (a line
+says so). A CSV row per point goes to --out, and a bar chart of the rates (PNG, with matplotlib; --no-plot skips it).
+`bench_sdpa.py --mode decode` runs this script with its other arguments.
 """
 from __future__ import annotations
 
@@ -122,6 +123,13 @@ def main(argv=None):
             for length in map(int, args.lengths.split(",")):
                 cache_bytes = 2 * batch * heads_kv * length * args.head_dim * 2
                 if cache_bytes > args.max_cache_gib * 2**30:
+                    continue
+                # the dense cache, its pages and one tensor's copy while they are built
+                needed = cache_bytes * (5 if length % args.page_size == 0 else 2) // 2
+                free = torch.cuda.mem_get_info()[0]
+                if needed > free:
+                    print(f"{heads_kv:3d} {batch:3d} {length:7d}  skipped: needs {needed / 2**30:.0f} GiB, "
+                          f"{free / 2**30:.0f} GiB free", flush=True)
                     continue
                 fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append,
                                 args.len_q, args.causal)
