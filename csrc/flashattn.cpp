@@ -28,11 +28,23 @@ std::vector<int64_t> cuda_head_dims() {
 #endif
 }
 
+// Whether this build holds the Hopper kernels (sm_90a in FLASHATTN_CUDA_ARCHS): on a Hopper GPU they take what the
+// portable ones take more slowly or not at all (long KV-cache chunks, the packed backward above D128).
+bool cuda_hopper_kernels() {
+#ifdef FLASHATTN_WITH_SM90
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flashattn, m) {
-  // What this build's CUDA kernels take (for callers that must know before a call, such as the SDPA provider).
+  // What this build's CUDA kernels take (for callers that must know before a call, such as the SDPA provider and the
+  // Hugging Face integration).
   m.def("cuda_head_dims() -> int[]", &cuda_head_dims);
+  m.def("cuda_hopper_kernels() -> bool", &cuda_hopper_kernels);
   // q: (B, H, Lq, D); k, v: (B, Hk, Lk, D) with H % Hk == 0. Returns out (q's shape and dtype, its memory order:
   // api/layouts.h) and lse (float32, (B, H, Lq), natural-log logsumexp of the scaled scores). causal is bottom-right
   // aligned.

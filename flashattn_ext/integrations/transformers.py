@@ -106,23 +106,23 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
 _DECODE_MAX_LEN_Q = 16  # the longest query of the CUDA decode path (shorter ones read a KV cache through it)
 
 
+def _hopper_kernels(device: torch.device, switch: str) -> bool:
+    """Whether calls on `device` may run the Hopper kernels: a Hopper GPU, a build that holds them, and the switch
+    (FLASHATTN_FWD_SM90 or FLASHATTN_BWD_SM90) not "0"."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and torch.ops.flashattn.cuda_hopper_kernels() and os.environ.get(switch) != "0")
+
+
 def _reads_cache_in_place(query: Tensor, len_q: int) -> bool:
     """Whether len_q query rows over a left-padded KV cache read it in place (flash_attn_with_kvcache) rather than
     gather its real rows for the packed kernels: the decode path's few rows, and on Hopper chunks of any length (its
-    TMA forward; unless FLASHATTN_FWD_SM90=0: the portable KV-cache kernel is slower than the gather and the packed
-    one)."""
-    if len_q <= _DECODE_MAX_LEN_Q:
-        return True
-    return (query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) == (9, 0)
-            and os.environ.get("FLASHATTN_FWD_SM90") != "0")
+    TMA forward; without it the portable KV-cache kernel is slower than the gather and the packed one)."""
+    return len_q <= _DECODE_MAX_LEN_Q or _hopper_kernels(query.device, "FLASHATTN_FWD_SM90")
 
 
 def _packed_backward_takes(q: Tensor) -> bool:
-    """Whether the CUDA packed backward takes q's head dim: up to 128 everywhere, above on Hopper's kernel only (not
-    switched off by FLASHATTN_BWD_SM90=0)."""
-    if q.shape[-1] <= 128:
-        return True
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and os.environ.get("FLASHATTN_BWD_SM90") != "0"
+    """Whether the CUDA packed backward takes q's head dim: up to 128 everywhere, above on Hopper's kernel only."""
+    return q.shape[-1] <= 128 or _hopper_kernels(q.device, "FLASHATTN_BWD_SM90")
 
 
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:

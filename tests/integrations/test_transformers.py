@@ -2,7 +2,7 @@
 tokens of padded batches match the model's own eager path, a packed batch matches the padded one, greedy generation
 gives the same tokens. Skipped without transformers."""
 import inspect
-import os
+import types
 
 import pytest
 import torch
@@ -341,6 +341,27 @@ def test_left_padded_decoding_cuda_bf16(name):
     assert (got - ref).abs().max() <= 3 * (eager_bf16 - ref).abs().max() + 1e-3
 
 
+@pytest.mark.parametrize("capability,built,switch,hopper", [
+    ((9, 0), True, None, True), ((9, 0), True, "0", False), ((9, 0), False, None, False), ((8, 0), True, None, False)])
+def test_hopper_routes_need_the_hopper_kernels(monkeypatch, capability, built, switch, hopper):
+    # Long chunks read a left-padded cache in place, and packed batches above D128 get gradients from the packed
+    # backward, only where the Hopper kernels may run: a Hopper GPU, a build that holds them, the switch not "0".
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.ops.flashattn, "cuda_hopper_kernels", lambda: built)
+    for name in ("FLASHATTN_FWD_SM90", "FLASHATTN_BWD_SM90"):
+        monkeypatch.delenv(name, raising=False) if switch is None else monkeypatch.setenv(name, switch)
+    query = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(40, 4, 256))
+    assert fa_hf._reads_cache_in_place(query, 40) == hopper
+    assert fa_hf._reads_cache_in_place(query, 16)  # the decode path's rows, on any GPU
+    assert fa_hf._packed_backward_takes(query) == hopper
+    assert fa_hf._packed_backward_takes(types.SimpleNamespace(device=query.device, shape=(40, 4, 128)))
+
+
+def test_a_build_without_cuda_kernels_has_no_hopper_kernels():
+    if not torch.ops.flashattn.cuda_head_dims():
+        assert not torch.ops.flashattn.cuda_hopper_kernels()
+
+
 @pytest.mark.cuda
 def test_left_padded_chunk_over_a_cache_cuda(monkeypatch):
     # A chunk of 40 new tokens over a left-padded batch's cache: on Hopper read in place (its TMA forward takes long
@@ -356,8 +377,7 @@ def test_left_padded_chunk_over_a_cache_cuda(monkeypatch):
     kvcache = fa_hf.flash_attn_with_kvcache
     monkeypatch.setattr(fa_hf, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(1) or kvcache(*a, **kw))
     got = fa_hf._attention(query, key, value, mask, True, None, None, None, None)
-    hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90") != "0"
-    assert bool(calls) == hopper
+    assert bool(calls) == fa_hf._hopper_kernels(query.device, "FLASHATTN_FWD_SM90")
     monkeypatch.setattr(fa_hf, "_reads_cache_in_place", lambda *a: False)
     gathered = fa_hf._attention(query, key, value, mask, True, None, None, None, None)
     torch.testing.assert_close(got, gathered, rtol=2e-2, atol=2e-2)
@@ -368,7 +388,7 @@ def test_left_padded_chunk_over_a_cache_cuda(monkeypatch):
 def test_packed_gradients_above_d128_cuda(monkeypatch, deterministic):
     # Above D128 a batch that needs gradients runs packed where the packed backward takes it (Hopper's kernel), else
     # one dense call per sequence; both give the per-sequence gradients, deterministic or not.
-    hopper_kernel = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_BWD_SM90") != "0"
+    hopper_kernel = fa_hf._hopper_kernels(torch.device("cuda"), "FLASHATTN_BWD_SM90")
     calls = []
     for name in ("flash_attn", "flash_attn_varlen"):
         real = getattr(fa_hf, name)
