@@ -10,6 +10,8 @@ Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
   kvcache   flash_attn_with_kvcache over a dense cache, every entry's valid length Lk (cache_seqlens)
   paged     the same over a paged cache (--page-size rows per page, pages in a random order)
   cudnn     scaled_dot_product_attention(enable_gqa=True), pinned to cuDNN
+--num-splits N fixes the decode path's key splits of kvcache and paged (a sweep: a run per N; 0 lets the shape and
+the GPU choose them).
 With --append, kvcache and paged also write one new token per call (k, v given, cache_seqlens Lk - 1): a decoding
 step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time); with
 --len-q above 1 (a chunk of queries, the cache's last rows in the causal case: bottom-right), TFLOP/s instead (4 * B * H
@@ -36,7 +38,8 @@ from bench_sdpa import ScoreMods, import_flashattn_ext, make_timer, round_order 
 IMPLS = ["plain", "kvcache", "paged", "cudnn"]
 
 
-def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=False, len_q=1, causal=False):
+def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=False, len_q=1, causal=False,
+              num_splits=0):
     dtype, device = torch.bfloat16, "cuda"
     q = torch.randn(batch, heads, len_q, head_dim, dtype=dtype, device=device)
     k_cache, v_cache = (torch.randn(batch, heads_kv, length, head_dim, dtype=dtype, device=device) for _ in range(2))
@@ -46,7 +49,8 @@ def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=Fa
         new = [torch.randn(batch, heads_kv, len_q, head_dim, dtype=dtype, device=device) for _ in range(2)]
     fns = {
         "plain": lambda: fa.flash_attn(q, k_cache, v_cache, causal=causal),
-        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens, causal=causal),
+        "kvcache": lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens, causal=causal,
+                                                      num_splits=num_splits),
     }
     if length % page_size == 0:
         per_entry = length // page_size
@@ -58,7 +62,8 @@ def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=Fa
             paged[order] = cache.view(batch, heads_kv, per_entry, page_size, head_dim).transpose(1, 2).reshape(
                 -1, heads_kv, page_size, head_dim)
         fns["paged"] = lambda: fa.flash_attn_with_kvcache(q, pages[0], pages[1], *new, cache_seqlens=seqlens,
-                                                          block_table=block_table, causal=causal)
+                                                          block_table=block_table, causal=causal,
+                                                          num_splits=num_splits)
     if causal and len_q > 1:
         return fns
 
@@ -107,6 +112,8 @@ def main(argv=None):
     parser.add_argument("--append", action="store_true", help="kvcache and paged append --len-q tokens per call")
     parser.add_argument("--len-q", type=int, default=1, help="query rows per entry (above 1: a prefill chunk)")
     parser.add_argument("--causal", action="store_true", help="causal, bottom-right (the chunk: the last rows)")
+    parser.add_argument("--num-splits", type=int, default=0,
+                        help="kvcache and paged: key splits of the decode path (0: chosen from the shape)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = parser.parse_args(argv)
@@ -132,7 +139,7 @@ def main(argv=None):
                           f"{free / 2**30:.0f} GiB free", flush=True)
                     continue
                 fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append,
-                                args.len_q, args.causal)
+                                args.len_q, args.causal, args.num_splits)
                 # bottom-right causal: row i sees length - len_q + i + 1 keys, or none
                 flops = 4 * batch * args.heads * args.head_dim * ScoreMods().visible_pairs(args.len_q, length,
                                                                                            args.causal)
@@ -148,7 +155,7 @@ def main(argv=None):
                         times[name].append(timer(fns[name]))
                 row = dict(heads=args.heads, heads_kv=heads_kv, head_dim=args.head_dim, dtype="bf16", batch=batch,
                            length=length, len_q=args.len_q, causal=args.causal, append=args.append,
-                           page_size=args.page_size)
+                           page_size=args.page_size, num_splits=args.num_splits)
                 cells = []
                 for name in IMPLS:
                     if name in times:
