@@ -106,11 +106,15 @@ def _needs_grad(*tensors: Optional[Tensor]) -> bool:
 _DECODE_MAX_LEN_Q = 16  # the longest query of the CUDA decode path (shorter ones read a KV cache through it)
 
 
+# Whether this build holds the Hopper kernels: read once here, a constant where torch.compile traces the calls below.
+_BUILT_HOPPER_KERNELS = torch.ops.flashattn.cuda_hopper_kernels()
+
+
 def _hopper_kernels(device: torch.device, switch: str) -> bool:
     """Whether calls on `device` may run the Hopper kernels: a Hopper GPU, a build that holds them, and the switch
     (FLASHATTN_FWD_SM90 or FLASHATTN_BWD_SM90) not "0"."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-            and torch.ops.flashattn.cuda_hopper_kernels() and os.environ.get(switch) != "0")
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0) and _BUILT_HOPPER_KERNELS
+            and os.environ.get(switch) != "0")
 
 
 def _reads_cache_in_place(query: Tensor, len_q: int) -> bool:

@@ -347,7 +347,7 @@ def test_hopper_routes_need_the_hopper_kernels(monkeypatch, capability, built, s
     # Long chunks read a left-padded cache in place, and packed batches above D128 get gradients from the packed
     # backward, only where the Hopper kernels may run: a Hopper GPU, a build that holds them, the switch not "0".
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.ops.flashattn, "cuda_hopper_kernels", lambda: built)
+    monkeypatch.setattr(fa_hf, "_BUILT_HOPPER_KERNELS", built)
     for name in ("FLASHATTN_FWD_SM90", "FLASHATTN_BWD_SM90"):
         monkeypatch.delenv(name, raising=False) if switch is None else monkeypatch.setenv(name, switch)
     query = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(40, 4, 256))
@@ -361,6 +361,7 @@ def test_a_build_without_cuda_kernels_has_no_hopper_kernels():
     if torch.ops.flashattn.cuda_head_dims():
         pytest.skip("a build with CUDA kernels")
     assert torch.ops.flashattn.cuda_hopper_kernels() is False
+    assert fa_hf._BUILT_HOPPER_KERNELS is False
 
 
 @pytest.mark.cuda
