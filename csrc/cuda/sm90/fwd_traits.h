@@ -58,7 +58,7 @@ struct FwdTraits {
   // 1024 ran 1.3% slower. The 80-key D256 kernel without a mask does the same within a tile in equal rings (K[n + 2]
   // then waits for S[n] only, not behind V[n + 1]).
   static constexpr KvLoadOrder kLoadOrder =
-      HeadDim == 128 && (!Causal || !Options)     ? KvLoadOrder::kKAheadAcrossTiles
+      HeadDim == 128 && (!Causal || !Options || Sequences) ? KvLoadOrder::kKAheadAcrossTiles
       : HeadDim == 256 && !Causal && BlockN == 80 ? KvLoadOrder::kKAheadInTile
                                                   : KvLoadOrder::kKThenV;
   static constexpr int kKStages = kStages + (kLoadOrder == KvLoadOrder::kKAheadAcrossTiles ? 1 : 0);  // V: kStages
