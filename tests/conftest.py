@@ -5,7 +5,9 @@ A test that takes a ``device`` argument runs on every device of :func:`devices`;
 ``@pytest.mark.dtypes(cpu=[...], cuda=[...])`` (an empty list drops the device). Tests marked ``cuda`` (the CUDA
 parameters included) are skipped when no GPU is visible.
 """
+import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,6 +75,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+# A build of some head-dim buckets only (FLASHATTN_HEADDIMS) raises this for the others: its tests of those head
+# dims are skipped rather than failed, so that such a quick build can run the suite. A full build fails on it.
+LEFT_OUT = "which this build left out (FLASHATTN_HEADDIMS at build time)"
+ALL_BUCKETS = set(json.loads((Path(__file__).resolve().parents[1] / "csrc/cuda/kernels.json").read_text())["buckets"])
+PARTIAL_BUILD = bool(torch.ops.flashattn.cuda_head_dims()) and set(torch.ops.flashattn.cuda_head_dims()) != ALL_BUCKETS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if PARTIAL_BUILD and report.failed and call.excinfo is not None and LEFT_OUT in str(call.excinfo.value):
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, "a head-dim bucket this build left out")
 
 
 @pytest.fixture(autouse=True)
