@@ -21,3 +21,10 @@ def test_head_dims_keep_their_cases_and_all_cases_by_default(sanitize):
     assert sorted(map(tuple, sum(by_bucket.values(), []))) == sorted(map(tuple, sanitize.CASES))
     assert {case[5] for case in by_bucket[128]} == {96, 120, 128}
     assert sanitize.select_cases({128, 256}) == [c for c in sanitize.CASES if c[5] > 64]
+
+
+def test_head_dims_keep_packed_and_cache_cases(sanitize):
+    for cases, index in ((sanitize.VARLEN_CASES, 3), (sanitize.KVCACHE_CASES, 6)):
+        assert sanitize.select_cases(None, cases, index) == cases
+        kept = sanitize.select_cases({128}, cases, index)
+        assert kept and len(kept) < len(cases) and all(sanitize.bucket(case[index]) == 128 for case in kept)
