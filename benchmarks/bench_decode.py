@@ -131,12 +131,12 @@ def main(argv=None):
                 cache_bytes = 2 * batch * heads_kv * length * args.head_dim * 2
                 if cache_bytes > args.max_cache_gib * 2**30:
                     continue
+                point = f"{heads_kv:3d} {batch:3d} {length:7d}"
                 # the dense cache, its pages and one tensor's copy while they are built
                 needed = cache_bytes * (5 if length % args.page_size == 0 else 2) // 2
                 free = torch.cuda.mem_get_info()[0]
                 if needed > free:
-                    print(f"{heads_kv:3d} {batch:3d} {length:7d}  skipped: needs {needed / 2**30:.0f} GiB, "
-                          f"{free / 2**30:.0f} GiB free", flush=True)
+                    print(f"{point}  skipped: needs {needed / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free", flush=True)
                     continue
                 fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append,
                                 args.len_q, args.causal, args.num_splits)
@@ -166,7 +166,7 @@ def main(argv=None):
                         cells.append(f"{ms * 1e3:11.1f} {rates[rate]:5.{decimals}f}")
                     else:
                         cells.append(f"{'-':>11} {'-':>5}")
-                print(f"{heads_kv:3d} {batch:3d} {length:7d} " + " ".join(cells), flush=True)
+                print(f"{point} " + " ".join(cells), flush=True)
                 rows.append(row)
                 del fns
                 torch.cuda.empty_cache()
