@@ -30,8 +30,8 @@ PACKAGE = "flashattn_ext"
 DELETED = "DELETED"
 
 
-def git(*args, cwd=ROOT):
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout
+def git(*args, cwd=ROOT, text=True):
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=text).stdout
 
 
 def export(name, ref, root=ROOT, overlays=OVERLAYS):
@@ -48,8 +48,7 @@ def export(name, ref, root=ROOT, overlays=OVERLAYS):
             continue
         dest = target / path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, check=True,
-                                        capture_output=True).stdout)
+        dest.write_bytes(git("show", f"{ref}:{path}", cwd=root, text=False))
         written.append(path)
     if deleted:
         (target / DELETED).write_text("".join(p + "\n" for p in deleted))
@@ -144,7 +143,8 @@ def run_command(command, name, round_, builds=BUILDS):
 
 
 def run(command, names, rounds):
-    builds = names or ["base"] + sorted(p.name for p in BUILDS.iterdir() if p.is_dir() and p.name != "base")
+    built = sorted(p.name for p in BUILDS.iterdir() if p.is_dir() and p.name != "base") if BUILDS.is_dir() else []
+    builds = names or ["base"] + built
     missing = [n for n in builds if not (BUILDS / n / PACKAGE).is_dir()]
     if missing:
         raise SystemExit(f"not built: {', '.join(missing)} (run `build` first)")
