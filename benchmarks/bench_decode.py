@@ -10,8 +10,8 @@ Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
   kvcache   flash_attn_with_kvcache over a dense cache, every entry's valid length Lk (cache_seqlens)
   paged     the same over a paged cache (--page-size rows per page, pages in a random order)
   cudnn     scaled_dot_product_attention(enable_gqa=True), pinned to cuDNN
---num-splits N fixes the decode path's key splits of kvcache and paged (a sweep: a run per N; 0 lets the shape and
-the GPU choose them).
+--num-splits N fixes the key splits of kvcache and paged (the decode path's, or a chunk's on Hopper; a sweep: a run
+per N; 0 lets the shape and the GPU choose them).
 With --append, kvcache and paged also write one new token per call (k, v given, cache_seqlens Lk - 1): a decoding
 step. Each point prints the median time and the K/V bytes read per second (2 * B * Hk * Lk * D * 2 bytes / time); with
 --len-q above 1 (a chunk of queries, the cache's last rows in the causal case: bottom-right), TFLOP/s instead (4 * B * H
@@ -113,7 +113,7 @@ def main(argv=None):
     parser.add_argument("--len-q", type=int, default=1, help="query rows per entry (above 1: a prefill chunk)")
     parser.add_argument("--causal", action="store_true", help="causal, bottom-right (the chunk: the last rows)")
     parser.add_argument("--num-splits", type=int, default=0,
-                        help="kvcache and paged: key splits of the decode path (0: chosen from the shape)")
+                        help="kvcache and paged: key splits (0: chosen from the shape)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = parser.parse_args(argv)

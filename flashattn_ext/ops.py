@@ -170,8 +170,9 @@ def flash_attn_with_kvcache(
         cache_seqlens: int32 (B,) valid lengths before the append (default: the whole cache less Lnew). Whatever lies
             past a valid length (garbage, NaN) never reaches the output. ``cache_seqlens`` itself is not changed.
         causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per batch entry (bottom-right causal).
-        num_splits: on CUDA with Lq <= 16, the number of key splits (0: chosen from the shape and the GPU's SM
-            count, never from the batch size or the lengths, so results are batch-invariant); ignored otherwise.
+        num_splits: on CUDA, the number of key splits (0: chosen from the shape and the GPU's SM count, never from
+            the batch size or the lengths, so results are batch-invariant): the decode path's (Lq <= 16) and, on
+            Hopper, the query chunks'; ignored elsewhere.
         return_lse: also return lse (float32, (B, H, Lq)).
         cache_leftpad: int32 (B,), a dense cache only: entry b's keys start at ``cache_leftpad[b]`` (a left-padded
             batch, as batched generation pads prompts; default 0). Its keys are then ``cache_leftpad[b] ..

@@ -59,9 +59,33 @@ inline FwdPlan plan_decode(const FwdParams& p, int bucket, int num_sms, int64_t 
   return plan;
 }
 
+// Where a KV cache's key splits put their parts in the Hopper sequences kernel's workspace (decode.h's layout).
+inline int64_t sequences_split_offset(int64_t batch) {
+  return sm90::round_up_128(sm90::sequences_workspace(batch).bytes);
+}
+
+// A KV cache's query chunks on Hopper split over the cache's keys where an entry's tiles leave SMs idle (batch 1: H32
+// Lq128 is 32 tiles on 132 SMs, each walking every key block): as many splits as give one entry's tiles the SMs, each
+// at least kMinSplitKeys of the capacity long; `requested` > 0 sets the count. From the shape and the SM count only,
+// as the decode path's splits: a row's bits do not depend on the batch. Every split's part is a float32 copy of its
+// rows, written and read again by the combine: against a split's keys, 8 bytes a row and column per 4 * keys FLOPs.
+inline constexpr int64_t kMinSplitKeys = 4096;
+inline int sequences_key_splits(const FwdParams& p, int block_m, int block_n, int num_sms, int64_t requested) {
+  if (p.cu_seqlens_q != nullptr) return 1;  // packed sequences
+  const int64_t blocks = (static_cast<int64_t>(p.len_k) + block_n - 1) / block_n;
+  const int64_t entry_tiles = static_cast<int64_t>(sm90::sequence_m_blocks(p.len_q, block_m)) * p.heads;
+  const int64_t want = requested > 0 ? requested
+                                     : std::min<int64_t>(num_sms / entry_tiles, p.len_k / kMinSplitKeys);
+  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(kDecodeMaxSplits, blocks)));
+  // Without a split past the last key block.
+  const int64_t per_split = sm90::split_key_blocks(p.len_k, block_n, splits);
+  return static_cast<int>((blocks + per_split - 1) / per_split);
+}
+
 // Packed sequences on Hopper (`p` a packed call's params, or a KV cache call's: its entries as the sequences): one
-// tile shape per head dim, every SM, tiles from a counter in the order the preparation builds on the device.
-inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device) {
+// tile shape per head dim, every SM, tiles from a counter in the order the preparation builds on the device; a KV
+// cache's key splits (`requested`: the caller's count, 0 automatic) with their parts after the preparation's data.
+inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device, int64_t requested = 0) {
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm90;
   plan.head_dim = sm90_kernel_head_dim(bucket);
@@ -72,11 +96,13 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
   plan.schedule = FwdSchedule::kSequences;
   // At most one CTA per tile there can be (each sequence's rows in whole tiles: packed.h's slot count).
   const int64_t entry_m_blocks = sm90::sequence_m_blocks(p.len_q, plan.block_m);  // a KV cache's entries
+  plan.splits = sequences_key_splits(p, plan.block_m, plan.block_n, device.num_sms, requested);
   const int64_t most_tiles = p.cu_seqlens_q != nullptr
                                  ? (static_cast<int64_t>(p.len_q) / plan.block_m + p.batch) * p.heads
-                                 : entry_m_blocks * p.heads * p.batch;
+                                 : entry_m_blocks * p.heads * p.batch * plan.splits;
   plan.grid = static_cast<int>(std::min<int64_t>(device.num_sms, most_tiles));
-  plan.workspace_bytes = sm90::sequences_workspace(p.batch).bytes;
+  plan.workspace_bytes = sequences_split_offset(p.batch) +
+                         decode_workspace_floats(p, plan.splits, plan.head_dim) * static_cast<int64_t>(sizeof(float));
   plan.zeroed_bytes = sizeof(int);
   return plan;
 }

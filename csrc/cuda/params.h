@@ -29,7 +29,7 @@ struct FwdPlan {
   int64_t workspace_bytes;          // kCounter: the counter; kStreamK: the flags, then the partials; kSequences:
                                     // sm90/sequences.h
   int64_t zeroed_bytes;             // the leading part of the workspace zeroed before the launch
-  int splits;                       // kDecode: key splits (1: the kernel writes out itself)
+  int splits;                       // kDecode, kSequences over a KV cache: key splits (1: the kernel writes out)
   bool splits_in_turn;              // kDecode: one CTA runs a row group's splits in turn (no combine, no workspace)
 };
 
@@ -94,8 +94,8 @@ struct FwdParams {
   int64_t block_table_stride;
   int page_size, num_pages;
   DivMod page_of;  // row -> page: page_size as a multiply and a shift
-  // kDecode with plan.splits > 1: each split's normalised rows (splits, B, H, Lq, the kernel's head dim) and their lse
-  // (splits, B, H, Lq), merged by the combine pass (decode.h).
+  // plan.splits > 1 (kDecode, or a KV cache on Hopper): each split's normalised rows (splits, B, H, Lq, the kernel's
+  // head dim) and their lse (splits, B, H, Lq), merged by the combine pass (decode.h).
   float* split_out;
   float* split_lse;
   // Packed sequences, or a KV cache's entries (cu_seqlens_q null), on Hopper (the sm90 sequences variants;

@@ -456,12 +456,13 @@ def test_cuda_append_writes_only_the_new_rows(paged, aligned):
 CHUNKS = [(17, 0, [0, 5, 333, 700]), (200, 37, [0, 113, 333, 663])]  # (rows, appended rows, cache lengths)
 
 
-def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0):
+def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0, num_splits=0):
     """Chunks of query rows against a dense cache of 700 rows (NaN past each entry's valid length; H8 and, `layout`
     "heads": Hk2 (B, Hk, L, D) tensors, "tokens": Hk1 (B, L, Hk, D) ones transposed; fp16 at D64, else bf16) for
     each score modification, once with left padding: entries without keys, with fewer keys than rows (the first rows
-    see none) and full ones. Each entry checked against the reference, one also alone (the same bits). Run in a
-    process of its own to pick a kernel (FLASHATTN_FWD_SM90, FLASHATTN_DECODE); returns every out and lse."""
+    see none) and full ones, `num_splits` key splits. Each entry checked against the reference, one also alone (the
+    same bits). Run in a process of its own to pick a kernel (FLASHATTN_FWD_SM90, FLASHATTN_DECODE); returns every
+    out and lse."""
     torch.manual_seed(seed)
     batch, heads, capacity = 4, 8, 700
     heads_kv = 2 if layout == "heads" else 1
@@ -489,8 +490,10 @@ def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0):
                     kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
                 seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
                 leftpad = torch.tensor(first, dtype=torch.int32, device="cuda") if padded else None
+                kwargs["num_splits"] = num_splits
                 out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
                                                                  cache_leftpad=leftpad, **kwargs)
+                del kwargs["num_splits"]
                 assert torch.isfinite(out).all(), "no key outside an entry's valid rows may reach the output"
                 for b, (n, start) in enumerate(zip(lengths, first)):
                     if len_new:
@@ -505,7 +508,7 @@ def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0):
                 alone = flashattn_ext.flash_attn_with_kvcache(
                     q[entry], k_cache[entry], v_cache[entry], None if k is None else k[entry],
                     None if v is None else v[entry], seqlens[entry], return_lse=True,
-                    cache_leftpad=None if leftpad is None else leftpad[entry], **kwargs)
+                    cache_leftpad=None if leftpad is None else leftpad[entry], num_splits=num_splits, **kwargs)
                 assert torch.equal(alone[0], out[entry]) and torch.equal(alone[1], lse[entry])
                 results.append((out, lse))
     return results
@@ -527,14 +530,51 @@ def test_cuda_chunk_each_kernel(head_dim, layout):
         torch.testing.assert_close(lse_a, lse_b, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim,num_splits", [(64, 3), (128, 2), (128, 64), (256, 5)])
+def test_cuda_chunk_key_splits(head_dim, num_splits):
+    # The Hopper kernel's key splits (64: one a key block), their parts folded by the combine: right, batch-invariant
+    # (chunk_checked), and not the unsplit kernel's bits.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("key splits of query chunks are the Hopper kernel's")
+    env = {"FLASHATTN_FWD_SM90": "strict"}
+    split = run_isolated(env, "op.test_kvcache", "chunk_checked", head_dim, "heads", CHUNKS, 0, num_splits)
+    whole = run_isolated(env, "op.test_kvcache", "chunk_checked", head_dim, "heads", CHUNKS, 0, 1)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(split, whole)), "the splits did not run"
+
+
+@pytest.mark.cuda
+def test_cuda_chunk_automatic_key_splits():
+    # H8 Lq130 (16 tiles an entry) against an 8192-row cache: two automatic splits on a GPU of 32 SMs or more (at
+    # least 4096 keys each), the same bits as asking for two, and right where an entry holds fewer keys than a split.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("key splits of query chunks are the Hopper kernel's")
+    torch.manual_seed(0)
+    opts = dict(dtype=torch.bfloat16, device="cuda")
+    lengths = [8192, 3000]
+    q = torch.randn(2, 8, 130, 128, **opts)
+    k_cache, v_cache = (torch.randn(2, 2, 8192, 128, **opts) for _ in range(2))
+    for cache in (k_cache, v_cache):
+        poison_past(cache, lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    runs = {n: flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                     num_splits=n, return_lse=True) for n in (0, 1, 2)}
+    assert torch.equal(runs[0][0], runs[2][0]) and torch.equal(runs[0][1], runs[2][1])
+    assert not torch.equal(runs[0][0], runs[1][0]), "the splits did not run"
+    for b, n in enumerate(lengths):
+        e = slice(b, b + 1)
+        assert_attention_close(runs[0][0][e], runs[0][1][e], q[e], k_cache[e, :, :n], v_cache[e, :, :n], causal=True)
+
+
 PAGED_CHUNKS = [(200, 37, [0, 113, 333, 731]), (17, 0, [0, 5, 333, 768])]  # (rows, appended rows, cache lengths)
 
 
-def paged_chunks(head_dim, page_size, token_major=False, seed=0):
+def paged_chunks(head_dim, page_size, token_major=False, seed=0, num_splits=0):
     """Chunks of query rows against a 768-row bf16 cache (H8 / Hk2; PAGED_CHUNKS' entry lengths, NaN past them), dense
     and as `page_size`-row pages in a random order (spare pages NaN; token_major: (num_pages, page_size, Hk, D) pages
-    transposed), for each score modification; each dense entry checked against the reference. Run in a process of its
-    own to pick a kernel (FLASHATTN_FWD_SM90); returns ((dense out, lse), (paged out, lse)) pairs."""
+    transposed), for each score modification, `num_splits` key splits; each dense entry checked against the reference.
+    Run in a process of its own to pick a kernel (FLASHATTN_FWD_SM90); returns ((dense out, lse), (paged out, lse))
+    pairs."""
     torch.manual_seed(seed)
     batch, heads, heads_kv, capacity = 4, 8, 2, 768
     opts = dict(dtype=torch.bfloat16, device="cuda")
@@ -552,9 +592,9 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0):
             q = torch.randn(batch, heads, len_q, head_dim, **opts)
             k, v = (torch.randn(batch, heads_kv, len_new, head_dim, **opts) if len_new else None for _ in range(2))
             dense = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
-                                                          **kwargs)
+                                                          num_splits=num_splits, **kwargs)
             paged = flashattn_ext.flash_attn_with_kvcache(q, pages[0], pages[1], k, v, seqlens, block_table,
-                                                          return_lse=True, **kwargs)
+                                                          return_lse=True, num_splits=num_splits, **kwargs)
             assert torch.isfinite(paged[0]).all(), "no row past an entry's keys may reach the output"
             for b, n in enumerate(lengths):
                 for t in range(len_new):  # the appended rows, in the dense cache and in their pages
@@ -571,13 +611,14 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim,page_size,token_major", [
-    (64, 16, False), (128, 8, False), (128, 64, True), (128, 128, False), (128, 256, False), (256, 16, False),
-    (256, 64, True)])
-def test_cuda_paged_chunk_each_kernel(head_dim, page_size, token_major):
+@pytest.mark.parametrize("head_dim,page_size,token_major,num_splits", [
+    (64, 16, False, 0), (128, 8, False, 0), (128, 64, True, 0), (128, 128, False, 0), (128, 256, False, 0),
+    (256, 16, False, 0), (256, 64, True, 0), (128, 64, False, 3), (256, 16, False, 4)])
+def test_cuda_paged_chunk_each_kernel(head_dim, page_size, token_major, num_splits):
     # A chunk against pages (a box per page, several per key block, or a block's part of a page) gives the dense
-    # cache's output: bit for bit in the Hopper kernel (strict: it must take the call), close in the portable one.
-    args = ("op.test_kvcache", "paged_chunks", head_dim, page_size, token_major)
+    # cache's output: bit for bit in the Hopper kernel (strict: it must take the call; with key splits too), close in
+    # the portable one.
+    args = ("op.test_kvcache", "paged_chunks", head_dim, page_size, token_major, 0, num_splits)
     for dense, paged in run_isolated({"FLASHATTN_FWD_SM90": "0"}, *args):
         torch.testing.assert_close(paged, dense, rtol=2e-2, atol=2e-2)
     if torch.cuda.get_device_capability() != (9, 0):

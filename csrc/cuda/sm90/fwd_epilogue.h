@@ -10,6 +10,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "cuda/decode.h"
 #include "cuda/params.h"
 #include "cuda/ptx_common.h"
 #include "cuda/row_epilogue.h"
@@ -117,8 +118,18 @@ struct FwdEpilogue {
     }
   }
 
-  // A tile no row of which sees a key: out = 0, lse = -inf or the head's sink (every consumer thread takes its share).
+  // Row `row` of the tile's (batch, head) in a key split's parts (decode.h: the combine's rows).
+  __device__ int64_t part_row(const TileT& tile, int split, int row) const {
+    return decode_split_part(p, split, (static_cast<int64_t>(tile.batch) * p.heads + tile.head) * p.len_q + row);
+  }
+
+  // A tile no row of which sees a key: out = 0, lse = -inf or the head's sink (every consumer thread takes its share);
+  // a key split's part: zeros, lse -inf.
   __device__ void store_keyless(const TileT& tile) {
+    if (TileT::split_part(p)) {
+      store_keyless_part(tile);
+      return;
+    }
     T* const o_base = tile.template out<T>(p);
     float* const lse_base = tile.lse(p);
     const int m_end = tile.m_end(p);
@@ -134,6 +145,21 @@ struct FwdEpilogue {
     for (int row = m_first + thread; row < m_end; row += kConsumerThreads) lse_base[row] = keyless_lse;
     release_staged_o();
   }
+  __device__ void store_keyless_part(const TileT& tile) {
+    const int thread = threadIdx.x - 128;
+    constexpr int kConsumerThreads = Traits::kConsumers * 128;
+    constexpr int kChunks = kHeadDim / 4;  // float4 chunks of a part's row
+    const int m_first = tile.m_first(), rows = tile.m_end(p) - m_first;
+    for (int i = thread; i < rows * kChunks; i += kConsumerThreads) {
+      float4* const row = reinterpret_cast<float4*>(p.split_out + part_row(tile, tile.split, m_first + i / kChunks) *
+                                                                      kHeadDim);
+      row[i % kChunks] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int i = thread; i < rows; i += kConsumerThreads) {
+      p.split_lse[part_row(tile, tile.split, m_first + i)] = -INFINITY;
+    }
+    release_staged_o();
+  }
 
   // The rows' totals: inv (1 / sum, 0 for a row without keys) and, with store_lse, their lse; with sinks (options
   // variants, never split) the sink joins the sum, and a row without keys has the sink as its lse. Taken while the last
@@ -147,6 +173,16 @@ struct FwdEpilogue {
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int row = tile.m_start + row_in_block0 + 8 * h;
+      if (TileT::split_part(p)) {
+        // A key split's part: a row without keys in the split (sum 0) has zeros and lse -inf, whatever it sees
+        // elsewhere; the combine adds the sink and tells a row whose scores were all -inf (NaN) from one without keys.
+        const float base = softmax.row_max[h] * scale_log2;
+        inv[h] = sum == 0.f ? 0.f : 1.f / sum;
+        if (row < tile.len_q(p) && lane % 4 == 0) {
+          p.split_lse[part_row(tile, tile.split, row)] = sum == 0.f ? -INFINITY : row_lse(true, base, sum);
+        }
+        continue;
+      }
       using Mask = FwdMask<Traits, kCausal>;
       const bool sees_keys = Traits::kOptions
                                  ? row_sees_band(row, causal_shift, Mask::left(p), Mask::right(p), tile.len_k(p))
@@ -180,6 +216,10 @@ struct FwdEpilogue {
   template <typename Mainloop>
   __device__ void store(const float (&o)[kHeadDim / 2], const float (&inv)[2], const TileT& tile,
                         const ConsumerTile& done, const Mainloop& mainloop, bool store_o) {
+    if (TileT::split_part(p)) {  // the part in fp32 from the registers; the staging buffer's bookkeeping only
+      store_part(o, inv, tile, mainloop.row_in_block0);
+      store_o = false;
+    }
     const int sub_tile = Traits::kFirstOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
     T* staging = smem.q_stage(done.q_stage) + consumer * 64 * 64;
     if (my_o_in_k) {
@@ -250,6 +290,21 @@ struct FwdEpilogue {
     }
     // Released by release_staged_o.
     o_staged = (!Traits::kFirstOInQ || my_o_in_v) && !my_o_in_k;
+  }
+
+  // A key split's part of the thread's two rows, normalised: 8-byte stores, a quad of lanes 32 bytes of a row.
+  __device__ void store_part(const float (&o)[kHeadDim / 2], const float (&inv)[2], const TileT& tile,
+                             int row_in_block0) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tile.m_start + row_in_block0 + 8 * h;
+      if (row >= tile.len_q(p)) continue;
+      float* const dst = p.split_out + part_row(tile, tile.split, row) * kHeadDim + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        __stcg(reinterpret_cast<float2*>(dst + 8 * j), make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]));
+      }
+    }
   }
 };
 

@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     prep.order[rank] = b;
     const int len_q = sequence_rows(prep, true, b).len;
-    prep.tile_start[rank + 1] = sequence_m_blocks(len_q, prep.block_m) * prep.heads;
+    prep.tile_start[rank + 1] = sequence_m_blocks(len_q, prep.block_m) * prep.heads * prep.splits;
   }
   // tile_start: the exclusive prefix sum of the counts, each thread over a run of ranks.
   __syncthreads();

@@ -7,8 +7,9 @@
 //   stores there, as it does at a dense tensor's end (a paged cache's k and v: the pages' maps, each entry's cut to
 //   the rows of its last page);
 //   for the forward, the order in which the sequences' tiles run (longest keys first, so the short tiles come last)
-//   and each rank's first tile in that order (its sequence's query blocks times the heads, head by head), from which
-//   the producer decodes the tile indices it takes from a counter (tile_scheduler.h: SequenceScheduler).
+//   and each rank's first tile in that order (its sequence's query blocks times the heads times a cache's key splits,
+//   split by split, head by head), from which the producer decodes the tile indices it takes from a counter
+//   (tile_scheduler.h: SequenceScheduler).
 #pragma once
 
 #include <cuda.h>
@@ -43,6 +44,14 @@ inline constexpr int kMaxSortedSequences = 2048;
 // A sequence's query blocks.
 __host__ __device__ constexpr int sequence_m_blocks(int len_q, int block_m) { return (len_q + block_m - 1) / block_m; }
 
+// A KV cache's key splits (FwdPlan::splits > 1, query chunks only): split s of an entry's tile takes key blocks
+// s * b .. (s + 1) * b - 1 (b from the cache's capacity, never its valid lengths), its normalised part and lse go to
+// the workspace and the decode path's combine folds them (decode.h).
+__host__ __device__ constexpr int split_key_blocks(int64_t capacity, int block_n, int splits) {
+  const int64_t blocks = (capacity + block_n - 1) / block_n;
+  return static_cast<int>((blocks + splits - 1) / splits);
+}
+
 // A paged KV cache in the forward (block_n-key blocks): pages of a multiple of 8 rows (whole 128-byte swizzle atoms)
 // that divide the key blocks or that they divide, so that no TMA box crosses a page; a box is a page's rows, or a key
 // block's where pages are longer.
@@ -71,6 +80,7 @@ struct SequencesPrepParams {
   int len_new;
   int page_size;  // a paged cache's (key maps: the pages' map, cut to the rows of each entry's last page), or 0
   int batch, heads, total_q, total_k, block_m;
+  int splits;  // key splits per tile (a KV cache's entries), 1 without
   int num_maps;
   SeqMapSource sources[kMaxSeqMaps];
   int* order;  // null: no tile order (the backward)
@@ -93,6 +103,7 @@ SequencesPrepParams sequences_prep(const Params& p, int num_maps) {
   prep.heads = p.heads;
   prep.total_q = p.len_q;
   prep.total_k = p.len_k;
+  prep.splits = 1;
   prep.num_maps = num_maps;
   return prep;
 }
@@ -105,7 +116,7 @@ struct SeqTile {
   int index;  // its place in the order; -1: the CTA is done
   int batch, m_block, head;
   int q_offset, len_q, len_k;  // the sequence's first row in q, out and lse (packed); its lengths
-  int unused;
+  int split;                   // its key split (split_key_blocks), 0 without
 };
 static_assert(sizeof(SeqTile) == 8 * sizeof(int), "a mailbox slot");
 

@@ -124,6 +124,7 @@ struct Tile {
   int m_start, head, batch, num_n_blocks;
   int n_first = 0;  // the first key block its rows see (a band's left edge); none seen: num_n_blocks = 0
   int q_offset = 0, seq_len_q = 0, seq_len_k = 0;  // packed sequences: the sequence's first row in q, and lengths
+  int split = 0;  // a KV cache's key split (FwdPlan::splits > 1): its key blocks only, its part to the workspace
 
   // Under a causal mask each head's longest rows come first.
   __device__ Tile(int index, int num_m_blocks, const FwdParams& p) {
@@ -141,16 +142,23 @@ struct Tile {
   // Packed sequences: the tile the producer decoded.
   __device__ Tile(const SeqTile& t, const FwdParams& p)
       : m_start(t.m_block * Traits::kBlockM), head(t.head), batch(t.batch), q_offset(t.q_offset), seq_len_q(t.len_q),
-        seq_len_k(t.len_k) {
+        seq_len_k(t.len_k), split(t.split) {
     set_key_blocks(p);
   }
   __device__ void set_key_blocks(const FwdParams& p) {
     num_n_blocks = Mask::num_n_blocks(m_end(p), len_q(p), len_k(p), p);
     if constexpr (Traits::kOptions) {
       n_first = Mask::n_first(m_first(), len_q(p), len_k(p), p);
+      if (kSequences && p.plan.splits > 1) {
+        const int blocks = split_key_blocks(p.len_k, Traits::kBlockN, p.plan.splits);
+        n_first = max(n_first, split * blocks);
+        num_n_blocks = min(num_n_blocks, (split + 1) * blocks);
+      }
       if (n_first >= num_n_blocks) num_n_blocks = n_first = 0;
     }
   }
+  // Whether the tile is a key split's: its rows' parts go to the workspace, the combine writes out and lse.
+  __device__ static bool split_part(const FwdParams& p) { return kSequences && p.plan.splits > 1; }
   // The rows and keys of its (batch, head) or sequence.
   __device__ int len_q(const FwdParams& p) const { return Traits::kSequences ? seq_len_q : p.len_q; }
   __device__ int len_k(const FwdParams& p) const { return Traits::kSequences ? seq_len_k : p.len_k; }
@@ -343,7 +351,7 @@ struct SequenceScheduler {
       }
     }
     const int b = __ldg(p.seq_order + rank);
-    const int local = index - __ldg(p.seq_tile_start + rank);
+    int local = index - __ldg(p.seq_tile_start + rank);
     if (p.cu_seqlens_q != nullptr) {
       tile.q_offset = clamped_offset(p.cu_seqlens_q, b, p.len_q);
       tile.len_q = max(0, clamped_offset(p.cu_seqlens_q, b + 1, p.len_q) - tile.q_offset);
@@ -353,7 +361,11 @@ struct SequenceScheduler {
       tile.len_q = p.len_q;
       tile.len_k = entry_keys(p, b).len;
     }
+    // Split by split (the tiles at work together read the same keys), then head by head.
     const int m_blocks = sequence_m_blocks(tile.len_q, kBlockM);
+    const int split_tiles = m_blocks * p.heads;
+    tile.split = p.plan.splits > 1 ? local / split_tiles : 0;
+    local -= tile.split * split_tiles;
     tile.head = local / m_blocks;
     const int m_index = local - tile.head * m_blocks;
     tile.m_block = kCausal ? m_blocks - 1 - m_index : m_index;
@@ -390,6 +402,7 @@ struct SequenceScheduler {
     tile.q_offset = __shfl_sync(0xffffffff, box[4], 0);
     tile.len_q = __shfl_sync(0xffffffff, box[5], 0);
     tile.len_k = __shfl_sync(0xffffffff, box[6], 0);
+    tile.split = __shfl_sync(0xffffffff, box[7], 0);
     mbarrier_arrive(&smem.tile_empty[slot]);
     work_ = {tile.index, 0, 0};
     return tile.index >= 0;
