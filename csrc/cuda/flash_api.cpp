@@ -274,9 +274,11 @@ at::Tensor attach_workspace(FwdParams& params, const at::Tensor& q, cudaStream_t
     params.seq_order = reinterpret_cast<int*>(base + parts.order);
     params.seq_tile_start = reinterpret_cast<int*>(base + parts.tile_start);
     params.seq_maps = base + parts.maps;
-    if (plan.splits > 1) {
+    if (plan.splits > 1) {  // the parts and their lse, or the fold states of splits run in turn
       params.split_out = reinterpret_cast<float*>(base + sequences_split_offset(params.batch));
-      params.split_lse = params.split_out + decode_split_lse_offset(params, plan.splits, plan.head_dim);
+      if (!plan.splits_in_turn) {
+        params.split_lse = params.split_out + decode_split_lse_offset(params, plan.splits, plan.head_dim);
+      }
     }
   } else {
     params.sk_flags = reinterpret_cast<int*>(base);
@@ -886,7 +888,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     p.plan = plan_decode(p, bucket, device.num_sms, num_splits, sw);
   } else if (fwd_wants_sm90(bucket, device, sw) &&
              sm90_maps_kvcache(p, bucket, q.scalar_type() == at::kBFloat16, q.get_device())) {
-    p.plan = plan_fwd_sequences(p, bucket, device, num_splits);
+    p.plan = plan_fwd_sequences(p, bucket, device, num_splits, sw.decode_splits);
   } else {
     const std::string page_rule = ks.paged ? c10::str(", or pages of ", ks.page_size, " rows: it takes pages of a "
                                                       "multiple of 8 rows that divide its key blocks (128 keys, 64 "

@@ -82,10 +82,26 @@ inline int sequences_key_splits(const FwdParams& p, int block_m, int block_n, in
   return static_cast<int>((blocks + per_split - 1) / per_split);
 }
 
+// Whether a CTA runs each tile's key splits in turn (folding the parts as the combine does: the same bits) rather than
+// a CTA per split: unless CTAs of their own take fewer rounds of the SMs (tiles of equal length), where the splits
+// would add parts, a combine pass and CTA starts without adding parallelism (B8 H32 Lq128 8k, 256 tiles: 227 -> 364
+// us as CTAs of their own).
+inline bool sequences_splits_in_turn(int64_t tiles, int splits, int num_sms) {
+  const int64_t whole_rounds = (tiles + num_sms - 1) / num_sms;
+  return splits > 1 && whole_rounds * splits <= (tiles * splits + num_sms - 1) / num_sms;
+}
+// The state a consumer thread keeps between splits run in turn: its accumulator's head_dim / 2 values and each of its
+// two rows' running maximum and sum (sm90/fwd_epilogue.h: fold_state).
+inline int64_t sequences_fold_floats(int grid, int consumers, int head_dim) {
+  return static_cast<int64_t>(grid) * consumers * 128 * (head_dim / 2 + 4);
+}
+
 // Packed sequences on Hopper (`p` a packed call's params, or a KV cache call's: its entries as the sequences): one
 // tile shape per head dim, every SM, tiles from a counter in the order the preparation builds on the device; a KV
-// cache's key splits (`requested`: the caller's count, 0 automatic) with their parts after the preparation's data.
-inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device, int64_t requested = 0) {
+// cache's key splits (`requested`: the caller's count, 0 automatic) with their parts, or where a CTA runs them in
+// turn its consumers' fold states, after the preparation's data.
+inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevice& device, int64_t requested = 0,
+                                  DecodeSplits mode = DecodeSplits::kAuto) {
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm90;
   plan.head_dim = sm90_kernel_head_dim(bucket);
@@ -97,12 +113,17 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
   // At most one CTA per tile there can be (each sequence's rows in whole tiles: packed.h's slot count).
   const int64_t entry_m_blocks = sm90::sequence_m_blocks(p.len_q, plan.block_m);  // a KV cache's entries
   plan.splits = sequences_key_splits(p, plan.block_m, plan.block_n, device.num_sms, requested);
+  const int64_t tiles = entry_m_blocks * p.heads * p.batch;  // a KV cache's, before the splits
+  plan.splits_in_turn = mode == DecodeSplits::kAuto ? sequences_splits_in_turn(tiles, plan.splits, device.num_sms)
+                                                    : mode == DecodeSplits::kInTurn && plan.splits > 1;
   const int64_t most_tiles = p.cu_seqlens_q != nullptr
                                  ? (static_cast<int64_t>(p.len_q) / plan.block_m + p.batch) * p.heads
-                                 : entry_m_blocks * p.heads * p.batch * plan.splits;
+                                 : tiles * (plan.splits_in_turn ? 1 : plan.splits);
   plan.grid = static_cast<int>(std::min<int64_t>(device.num_sms, most_tiles));
-  plan.workspace_bytes = sequences_split_offset(p.batch) +
-                         decode_workspace_floats(p, plan.splits, plan.head_dim) * static_cast<int64_t>(sizeof(float));
+  const int64_t split_floats = plan.splits_in_turn
+                                   ? sequences_fold_floats(plan.grid, plan.consumers, plan.head_dim)
+                                   : decode_workspace_floats(p, plan.splits, plan.head_dim);
+  plan.workspace_bytes = sequences_split_offset(p.batch) + split_floats * static_cast<int64_t>(sizeof(float));
   plan.zeroed_bytes = sizeof(int);
   return plan;
 }

@@ -30,7 +30,7 @@ struct FwdPlan {
                                     // sm90/sequences.h
   int64_t zeroed_bytes;             // the leading part of the workspace zeroed before the launch
   int splits;                       // kDecode, kSequences over a KV cache: key splits (1: the kernel writes out)
-  bool splits_in_turn;              // kDecode: one CTA runs a row group's splits in turn (no combine, no workspace)
+  bool splits_in_turn;              // one CTA runs a row group's (a tile's) splits in turn: no combine pass
 };
 
 struct FwdParams {
@@ -95,7 +95,8 @@ struct FwdParams {
   int page_size, num_pages;
   DivMod page_of;  // row -> page: page_size as a multiply and a shift
   // plan.splits > 1 (kDecode, or a KV cache on Hopper): each split's normalised rows (splits, B, H, Lq, the kernel's
-  // head dim) and their lse (splits, B, H, Lq), merged by the combine pass (decode.h).
+  // head dim) and their lse (splits, B, H, Lq), merged by the combine pass (decode.h); on Hopper with
+  // plan.splits_in_turn, split_out holds the consumers' fold states instead (fwd_plan.h: sequences_fold_floats).
   float* split_out;
   float* split_lse;
   // Packed sequences, or a KV cache's entries (cu_seqlens_q null), on Hopper (the sm90 sequences variants;

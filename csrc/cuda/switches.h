@@ -17,8 +17,9 @@ enum class Sm90Use { kOff, kOn, kStrict };
 // counter even where zigzag rounds apply), "whole-tiles" (no stream-K split) or "stream-k" (the split at any tile
 // length, batch invariance or not; never under deterministic algorithms).
 enum class FwdScheduleChoice { kAuto, kCounter, kWholeTiles, kStreamK };
-// FLASHATTN_DECODE_SPLITS, for tests and comparisons of the decode path's two ways of running its key splits (the
-// same bits): "ctas" (a CTA per split, then the combine pass) or "in-turn" (one CTA runs a row group's splits in turn).
+// FLASHATTN_DECODE_SPLITS, for tests and comparisons of the two ways of running a KV cache's key splits (the decode
+// path's, and on Hopper a query chunk's; the same bits): "ctas" (a CTA per split, then the combine pass) or "in-turn"
+// (one CTA runs a row group's, or a tile's, splits in turn).
 enum class DecodeSplits { kAuto, kCtas, kInTurn };
 
 struct Switches {

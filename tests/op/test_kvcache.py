@@ -533,14 +533,17 @@ def test_cuda_chunk_each_kernel(head_dim, layout):
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_dim,num_splits", [(64, 3), (128, 2), (128, 64), (256, 5)])
 def test_cuda_chunk_key_splits(head_dim, num_splits):
-    # The Hopper kernel's key splits (64: one a key block), their parts folded by the combine: right, batch-invariant
-    # (chunk_checked), and not the unsplit kernel's bits.
+    # The Hopper kernel's key splits (64: one a key block), a CTA each with the combine pass or a tile's in turn in one
+    # CTA: right and batch-invariant (chunk_checked), the same bits both ways, not the unsplit kernel's.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("key splits of query chunks are the Hopper kernel's")
-    env = {"FLASHATTN_FWD_SM90": "strict"}
-    split = run_isolated(env, "op.test_kvcache", "chunk_checked", head_dim, "heads", CHUNKS, 0, num_splits)
-    whole = run_isolated(env, "op.test_kvcache", "chunk_checked", head_dim, "heads", CHUNKS, 0, 1)
-    assert any(not torch.equal(a[0], b[0]) for a, b in zip(split, whole)), "the splits did not run"
+    args = ("op.test_kvcache", "chunk_checked", head_dim, "heads", CHUNKS, 0)
+    runs = {mode: run_isolated({"FLASHATTN_FWD_SM90": "strict", "FLASHATTN_DECODE_SPLITS": mode}, *args, num_splits)
+            for mode in ("ctas", "in-turn")}
+    for (out, lse), (out2, lse2) in zip(runs["ctas"], runs["in-turn"]):
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    whole = run_isolated({"FLASHATTN_FWD_SM90": "strict"}, *args, 1)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(runs["ctas"], whole)), "the splits did not run"
 
 
 @pytest.mark.cuda

@@ -100,6 +100,7 @@ struct FwdEpilogue {
   int o_release = 0;    // the barrier that frees the warp's staged rows: o_free[o_release] (o_in_v_free and
                         // o_in_k_free follow o_free)
   bool o_staged = false;  // staged rows not yet released
+  float part_lse[2];      // a key split's: the lse of the thread's two rows' part (row_totals)
 
   __device__ FwdEpilogue(const SharedStorage<T, Traits>& storage, const CUtensorMap& map, const FwdParams& params,
                          int consumer_index, int warp_index, int lane_index)
@@ -146,6 +147,11 @@ struct FwdEpilogue {
     release_staged_o();
   }
   __device__ void store_keyless_part(const TileT& tile) {
+    if (p.plan.splits_in_turn) {
+      fold_keyless_in_turn(tile);
+      release_staged_o();
+      return;
+    }
     const int thread = threadIdx.x - 128;
     constexpr int kConsumerThreads = Traits::kConsumers * 128;
     constexpr int kChunks = kHeadDim / 4;  // float4 chunks of a part's row
@@ -165,7 +171,7 @@ struct FwdEpilogue {
   // variants, never split) the sink joins the sum, and a row without keys has the sink as its lse. Taken while the last
   // P V runs (it changes only O); a stream-K tile has them again after the merge.
   __device__ void row_totals(const RowSoftmax<Traits::kBlockN>& softmax, const TileT& tile, int row_in_block0,
-                             int causal_shift, float scale_log2, bool store_lse, float (&inv)[2]) const {
+                             int causal_shift, float scale_log2, bool store_lse, float (&inv)[2]) {
     float* const lse_base = tile.lse(p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -178,8 +184,9 @@ struct FwdEpilogue {
         // elsewhere; the combine adds the sink and tells a row whose scores were all -inf (NaN) from one without keys.
         const float base = softmax.row_max[h] * scale_log2;
         inv[h] = sum == 0.f ? 0.f : 1.f / sum;
-        if (row < tile.len_q(p) && lane % 4 == 0) {
-          p.split_lse[part_row(tile, tile.split, row)] = sum == 0.f ? -INFINITY : row_lse(true, base, sum);
+        part_lse[h] = sum == 0.f ? -INFINITY : row_lse(true, base, sum);
+        if (!p.plan.splits_in_turn && row < tile.len_q(p) && lane % 4 == 0) {
+          p.split_lse[part_row(tile, tile.split, row)] = part_lse[h];
         }
         continue;
       }
@@ -216,10 +223,6 @@ struct FwdEpilogue {
   template <typename Mainloop>
   __device__ void store(const float (&o)[kHeadDim / 2], const float (&inv)[2], const TileT& tile,
                         const ConsumerTile& done, const Mainloop& mainloop, bool store_o) {
-    if (TileT::split_part(p)) {  // the part in fp32 from the registers; the staging buffer's bookkeeping only
-      store_part(o, inv, tile, mainloop.row_in_block0);
-      store_o = false;
-    }
     const int sub_tile = Traits::kFirstOInQ && !my_o_in_v ? Traits::kSubTileQ : Traits::kSubTileO;  // 64 columns apart
     T* staging = smem.q_stage(done.q_stage) + consumer * 64 * 64;
     if (my_o_in_k) {
@@ -292,17 +295,112 @@ struct FwdEpilogue {
     o_staged = (!Traits::kFirstOInQ || my_o_in_v) && !my_o_in_k;
   }
 
-  // A key split's part of the thread's two rows, normalised: 8-byte stores, a quad of lanes 32 bytes of a row.
-  __device__ void store_part(const float (&o)[kHeadDim / 2], const float (&inv)[2], const TileT& tile,
-                             int row_in_block0) const {
+  // ---- key splits of a KV cache's tiles (Tile::split_part) ----
+
+  // The thread's first row in the tile (+ 8 for its second), as the consumer's accumulators hold them.
+  __device__ int row_in_block0() const { return 64 * consumer + 16 * warp + lane / 4; }
+
+  // A split's rows, once the last P V is done: its part to the workspace (a CTA per split, for the combine), or
+  // folded into this thread's state (splits in turn), whose last split leaves the folded rows in o and their factor
+  // in inv. Returns whether o is then stored as any tile's rows.
+  __device__ bool finish_split(float (&o)[kHeadDim / 2], float (&inv)[2], const TileT& tile) const {
+    if (!TileT::split_part(p)) return true;
+    if (!p.plan.splits_in_turn) {
+      store_part(o, inv, tile);
+      return false;
+    }
+    return fold_in_turn(o, inv, part_lse, tile);
+  }
+
+  // The part of the thread's two rows, normalised: 8-byte stores, a quad of lanes 32 bytes of a row.
+  __device__ void store_part(const float (&o)[kHeadDim / 2], const float (&inv)[2], const TileT& tile) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = tile.m_start + row_in_block0 + 8 * h;
+      const int row = tile.m_start + row_in_block0() + 8 * h;
       if (row >= tile.len_q(p)) continue;
       float* const dst = p.split_out + part_row(tile, tile.split, row) * kHeadDim + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < kHeadDim / 8; ++j) {
-        __stcg(reinterpret_cast<float2*>(dst + 8 * j), make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]));
+        __stcg(reinterpret_cast<float2*>(dst + 8 * j),
+               make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]));
+      }
+    }
+  }
+
+  // Splits in turn: the thread's fold of its rows' parts so far (row_epilogue.h: SplitFold, the combine's arithmetic,
+  // so that a row has the same bits either way), kept in the workspace between a tile's splits: its accumulator's
+  // kHeadDim / 2 values, then each row's running maximum and sum, 128 threads apart (a slot per CTA and consumer).
+  __device__ float* fold_state() const {
+    constexpr int kFloats = kHeadDim / 2 + 4;
+    return p.split_out + (static_cast<int64_t>(blockIdx.x) * Traits::kConsumers + consumer) * kFloats * 128 +
+           threadIdx.x % 128;
+  }
+  // Folds the split's part (o * inv, lse part_lse[h]; -inf: no key of the row in the split) into the state; at the
+  // tile's last split finishes the rows (the sink joins them), writes their lse and returns true with the folded rows
+  // in o and their factor in inv.
+  __device__ bool fold_in_turn(float (&o)[kHeadDim / 2], float (&inv)[2], const float (&lse_of_part)[2],
+                               const TileT& tile) const {
+    constexpr int kSums = kHeadDim / 2;
+    float* const state = fold_state();
+    const bool first = tile.split == 0, last = tile.split == p.plan.splits - 1;
+    SplitFold fold[2];
+    float alpha[2], beta[2];
+    bool taken[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      fold[h] = first ? SplitFold{-INFINITY, 0.f} : SplitFold{state[(kSums + h) * 128], state[(kSums + 2 + h) * 128]};
+      taken[h] = fold_part(fold[h], lse_of_part[h], alpha[h], beta[h]);
+    }
+#pragma unroll
+    for (int i = 0; i < kSums; ++i) {
+      const int h = (i / 2) % 2;  // the accumulator's row (rescale_o)
+      const float acc = first ? 0.f : state[i * 128];
+      o[i] = taken[h] ? fold_add(acc, alpha[h], o[i] * inv[h], beta[h]) : acc;
+      if (!last) state[i * 128] = o[i];
+    }
+    if (!last) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        state[(kSums + h) * 128] = fold[h].m;
+        state[(kSums + 2 + h) * 128] = fold[h].sum;
+      }
+      return false;
+    }
+    using Mask = FwdMask<Traits, kCausal>;
+    float* const lse_base = tile.lse(p);
+    const float sink = p.sinks != nullptr ? p.sinks[tile.head] : -INFINITY;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tile.m_start + row_in_block0() + 8 * h;
+      const bool sees_keys = row_sees_band(row, tile.causal_shift(p), Mask::left(p), Mask::right(p), tile.len_k(p));
+      float lse;
+      inv[h] = fold_finish(fold[h], sink, sees_keys, lse);
+      if (row < tile.len_q(p) && lane % 4 == 0) lse_base[row] = lse;
+    }
+    return true;
+  }
+
+  // A split without keys of the tile run in turn: an empty part folded in; at the last split the rows stored from the
+  // registers (not staged: the tile has no pipeline stage of its own).
+  __device__ void fold_keyless_in_turn(const TileT& tile) const {
+    float o[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    float inv[2] = {0.f, 0.f};
+    const float no_keys[2] = {-INFINITY, -INFINITY};
+    if (!fold_in_turn(o, inv, no_keys, tile)) return;
+    T* const out = tile.template out<T>(p);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tile.m_start + row_in_block0() + 8 * h;
+      if (row >= tile.len_q(p)) continue;
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        if (col < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(row) * p.o_row_stride + col) =
+              pack2<T>(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+        }
       }
     }
   }

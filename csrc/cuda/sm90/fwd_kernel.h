@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     keep_before_wgmma_wait(inv[0] + inv[1], smem.scratch);
     mainloop.wait_last_pv(o, done);
     bool store_o = true;
+    if constexpr (Traits::kSequences) store_o = epilogue.finish_split(o, inv, tile);  // a KV cache's key split
     if constexpr (kStreamK) {
       if (split_tile) {
         store_o = epilogue.merge_split(o, softmax, work, mainloop.scale_log2);

@@ -364,7 +364,7 @@ struct SequenceScheduler {
     // Split by split (the tiles at work together read the same keys), then head by head.
     const int m_blocks = sequence_m_blocks(tile.len_q, kBlockM);
     const int split_tiles = m_blocks * p.heads;
-    tile.split = p.plan.splits > 1 ? local / split_tiles : 0;
+    tile.split = p.plan.splits > 1 && !p.plan.splits_in_turn ? local / split_tiles : 0;
     local -= tile.split * split_tiles;
     tile.head = local / m_blocks;
     const int m_index = local - tile.head * m_blocks;
@@ -386,8 +386,13 @@ struct SequenceScheduler {
     *reinterpret_cast<SeqTile*>(smem.tile_index + slot * kSlotInts) = tile;
     mbarrier_arrive(&smem.tile_full[slot]);
   }
+  // The next tile from the counter, or where a CTA runs a tile's key splits in turn, its next split first.
   __device__ void advance(FwdWork& work_, int) {
-    decode(gridDim.x + atomicAdd(p.tile_counter, 1));
+    if (p.plan.splits_in_turn && tile.index >= 0 && tile.split + 1 < p.plan.splits) {
+      ++tile.split;
+    } else {
+      decode(gridDim.x + atomicAdd(p.tile_counter, 1));
+    }
     work_ = work();
   }
   template <typename Storage>
