@@ -9,8 +9,8 @@ with --varlen and --kvcache too, for a change to one of them or a build of some 
 takes about 150 s of device time on the H200. --options runs each case with one of OPTION_SETS (windows, softcap,
 sinks: the kernels' options variants) in turn. --varlen runs packed sequences instead (VARLEN_CASES, each plain and
 with every option set), and cu_seqlens whose values break the rules (they must give wrong rows, never an access
-outside the tensors). --kvcache runs KV cache calls (KVCACHE_CASES: the decode path, and query chunks) over dense
-and paged caches, with new keys appended, left padding, and a block table with pages out of range.
+outside the tensors). --kvcache runs KV cache calls (KVCACHE_CASES: the decode path, and query chunks, also in key
+splits) over dense and paged caches, with new keys appended, left padding, and a block table with pages out of range.
 """
 import argparse
 import os
@@ -140,6 +140,10 @@ def run_kvcache(head_dims=None):
             flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths,
                                                  block_table=table, **mods)
             calls += 1
+            if len_q > 16:  # a chunk's key splits (on Hopper; FLASHATTN_DECODE_SPLITS picks how they run)
+                flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+                                                     num_splits=3, **mods)
+                calls += 1
             if table is None:  # left padding: none, inside the entry, past its end (clamped)
                 share = torch.arange(batch, device="cuda") * 3 / (2 * max(1, batch - 1))
                 leftpad = (lengths * share).to(torch.int32)

@@ -351,12 +351,27 @@ struct FwdEpilogue {
       fold[h] = first ? SplitFold{-INFINITY, 0.f} : SplitFold{state[(kSums + h) * 128], state[(kSums + 2 + h) * 128]};
       taken[h] = fold_part(fold[h], lse_of_part[h], alpha[h], beta[h]);
     }
+    // The state in chunks of loads issued together (one round trip each; loads behind a branch each went one by one).
+    constexpr int kChunk = 16;
+    static_assert(kSums % kChunk == 0, "whole chunks");
 #pragma unroll
-    for (int i = 0; i < kSums; ++i) {
-      const int h = (i / 2) % 2;  // the accumulator's row (rescale_o)
-      const float acc = first ? 0.f : state[i * 128];
-      o[i] = taken[h] ? fold_add(acc, alpha[h], o[i] * inv[h], beta[h]) : acc;
-      if (!last) state[i * 128] = o[i];
+    for (int c = 0; c < kSums; c += kChunk) {
+      float acc[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) acc[i] = 0.f;
+      if (!first) {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) acc[i] = __ldcg(state + (c + i) * 128);
+      }
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        const int h = ((c + i) / 2) % 2;  // the accumulator's row (rescale_o)
+        o[c + i] = taken[h] ? fold_add(acc[i], alpha[h], o[c + i] * inv[h], beta[h]) : acc[i];
+      }
+      if (!last) {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) __stcg(state + (c + i) * 128, o[c + i]);
+      }
     }
     if (!last) {
 #pragma unroll
