@@ -127,9 +127,11 @@ struct FwdEpilogue {
   // A tile no row of which sees a key: out = 0, lse = -inf or the head's sink (every consumer thread takes its share);
   // a key split's part: zeros, lse -inf.
   __device__ void store_keyless(const TileT& tile) {
-    if (TileT::split_part(p)) {
-      store_keyless_part(tile);
-      return;
+    if constexpr (TileT::kSequences) {  // sequences variants only: the dead branch still moved the plain kernels' code
+      if (TileT::split_part(p)) {
+        store_keyless_part(tile);
+        return;
+      }
     }
     T* const o_base = tile.template out<T>(p);
     float* const lse_base = tile.lse(p);
