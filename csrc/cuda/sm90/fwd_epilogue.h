@@ -181,16 +181,19 @@ struct FwdEpilogue {
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const int row = tile.m_start + row_in_block0 + 8 * h;
-      if (TileT::split_part(p)) {
-        // A key split's part: a row without keys in the split (sum 0) has zeros and lse -inf, whatever it sees
-        // elsewhere; the combine adds the sink and tells a row whose scores were all -inf (NaN) from one without keys.
-        const float base = softmax.row_max[h] * scale_log2;
-        inv[h] = sum == 0.f ? 0.f : 1.f / sum;
-        part_lse[h] = sum == 0.f ? -INFINITY : row_lse(true, base, sum);
-        if (!p.plan.splits_in_turn && row < tile.len_q(p) && lane % 4 == 0) {
-          p.split_lse[part_row(tile, tile.split, row)] = part_lse[h];
+      if constexpr (TileT::kSequences) {
+        if (TileT::split_part(p)) {
+          // A key split's part: a row without keys in the split (sum 0) has zeros and lse -inf, whatever it sees
+          // elsewhere; the combine adds the sink and tells a row whose scores were all -inf (NaN) from one without
+          // keys.
+          const float base = softmax.row_max[h] * scale_log2;
+          inv[h] = sum == 0.f ? 0.f : 1.f / sum;
+          part_lse[h] = sum == 0.f ? -INFINITY : row_lse(true, base, sum);
+          if (!p.plan.splits_in_turn && row < tile.len_q(p) && lane % 4 == 0) {
+            p.split_lse[part_row(tile, tile.split, row)] = part_lse[h];
+          }
+          continue;
         }
-        continue;
       }
       using Mask = FwdMask<Traits, kCausal>;
       const bool sees_keys = Traits::kOptions
