@@ -83,13 +83,18 @@ inline int sequences_key_splits(const FwdParams& p, int block_m, int block_n, in
 }
 
 // Whether a CTA runs each tile's key splits in turn (folding the parts as the combine does: the same bits) rather than
-// a CTA per split: unless CTAs of their own take fewer rounds of the SMs (tiles of equal length), where the splits
-// would add parts, a combine pass and CTA starts without adding parallelism (B8 H32 Lq128 8k, 256 tiles: 227 -> 364
-// us as CTAs of their own).
-inline bool sequences_splits_in_turn(int64_t tiles, int splits, int num_sms) {
-  const int64_t whole_rounds = (tiles + num_sms - 1) / num_sms;
-  return splits > 1 && whole_rounds * splits <= (tiles * splits + num_sms - 1) / num_sms;
+// a CTA per split: unless CTAs of their own take at least a quarter fewer rounds of the SMs (tiles of equal length).
+// Elsewhere their fp32 parts, the combine pass and CTA starts cost more than the rounds they save (B8 H32 Lq128 8k,
+// 256 tiles in the same 4 rounds either way: 227 -> 364 us as CTAs of their own), and the parts grow with the batch.
+constexpr bool sequences_splits_in_turn(int64_t tiles, int splits, int num_sms) {
+  const int64_t in_turn_rounds = (tiles + num_sms - 1) / num_sms * splits;
+  const int64_t split_rounds = (tiles * splits + num_sms - 1) / num_sms;
+  return splits > 1 && 4 * split_rounds > 3 * in_turn_rounds;
 }
+static_assert(!sequences_splits_in_turn(32, 4, 132) && !sequences_splits_in_turn(160, 4, 132),
+              "H32 Lq128 B1: 1 round instead of 4; B5: 5 instead of 8");
+static_assert(sequences_splits_in_turn(128, 4, 132) && sequences_splits_in_turn(4096, 2, 132),
+              "B4: 4 rounds either way; B128 over an 8k cache: 63 instead of 64");
 // The state a consumer thread keeps between splits run in turn: its accumulator's head_dim / 2 values and each of its
 // two rows' running maximum and sum (sm90/fwd_epilogue.h: fold_state).
 inline int64_t sequences_fold_floats(int grid, int consumers, int head_dim) {

@@ -401,8 +401,10 @@ struct FwdEpilogue {
   }
 
   // A split without keys of the tile run in turn: an empty part folded in; at the last split the rows stored from the
-  // registers (not staged: the tile has no pipeline stage of its own).
+  // registers (not staged: the tile has no pipeline stage of its own). A consumer without rows in the tile skipped its
+  // other splits (kSkipRowlessConsumers) and has no state to fold.
   __device__ void fold_keyless_in_turn(const TileT& tile) const {
+    if (tile.m_start + 64 * consumer >= tile.len_q(p)) return;
     float o[kHeadDim / 2];
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
