@@ -569,6 +569,44 @@ def test_cuda_chunk_automatic_key_splits():
         assert_attention_close(runs[0][0][e], runs[0][1][e], q[e], k_cache[e, :, :n], v_cache[e, :, :n], causal=True)
 
 
+def nan_keys_under_splits():
+    """Two splits of an 8192-row cache (H8 / Hk2, 130 rows, D128): a NaN key in entry 0's first split, seen by every
+    row (causal) or by none (a window of 3100, whose band starts past it), and one in entry 1's second split, seen by
+    rows 0..38 only under that window. Returns (causal out, lse), (window out, lse), and the window's run without the
+    NaN keys. Run in a process of its own (FLASHATTN_DECODE_SPLITS picks how the splits run)."""
+    torch.manual_seed(0)
+    opts = dict(dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(2, 8, 130, 128, **opts)
+    k_cache, v_cache = (torch.randn(2, 2, 8192, 128, **opts) for _ in range(2))
+    clean = k_cache.clone()
+    k_cache[0, :, 1000] = float("nan")
+    k_cache[1, :, 5000] = float("nan")
+    window = dict(causal=True, window_size=(3100, 0))
+
+    def run(keys, **kwargs):
+        return flashattn_ext.flash_attn_with_kvcache(q, keys, v_cache, num_splits=2, return_lse=True, **kwargs)
+
+    return run(k_cache, causal=True), run(k_cache, **window), run(clean, **window)
+
+
+@pytest.mark.cuda
+def test_cuda_chunk_key_splits_keep_nan():
+    # A NaN key makes the rows that see it NaN (out and lse) through the parts' fold, both ways alike; rows that share
+    # its key block without seeing it, and rows whose band never reaches it, keep their bits.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("key splits of query chunks are the Hopper kernel's")
+    runs = {mode: run_isolated({"FLASHATTN_DECODE_SPLITS": mode}, "op.test_kvcache", "nan_keys_under_splits")
+            for mode in ("ctas", "in-turn")}
+    for ((out, lse), (w_out, w_lse), (c_out, c_lse)) in runs.values():
+        assert torch.isnan(out).all() and torch.isnan(lse).all(), "every row sees a NaN key under the causal mask"
+        assert torch.equal(w_out[0], c_out[0]) and torch.equal(w_lse[0], c_lse[0]), "entry 0's band skips its NaN"
+        assert torch.isnan(w_out[1, :, :39]).all() and torch.isnan(w_lse[1, :, :39]).all()
+        assert torch.equal(w_out[1, :, 39:], c_out[1, :, 39:]) and torch.equal(w_lse[1, :, 39:], c_lse[1, :, 39:])
+    for a, b in zip(runs["ctas"], runs["in-turn"]):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
 PAGED_CHUNKS = [(200, 37, [0, 113, 333, 731]), (17, 0, [0, 5, 333, 768])]  # (rows, appended rows, cache lengths)
 
 
