@@ -88,7 +88,7 @@ inline int64_t decode_workspace_floats(const FwdParams& p, int splits, int head_
 }
 
 // Merges the splits' rows (params.split_out / split_lse, rows of `head_dim` floats) into out and lse, in split order,
-// with the sinks (decode_combine.cu).
+// with the sinks (decode_combine.cu); the Hopper forward's key splits of query chunks use it too.
 template <typename T>
 cudaError_t run_decode_combine(const FwdParams& params, int head_dim, cudaStream_t stream);
 

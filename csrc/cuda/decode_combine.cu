@@ -1,6 +1,7 @@
-// The decode path's last pass where each split had its own CTA: each (batch, head, query) row's split parts folded in
-// split order (row_epilogue.h: SplitFold, the arithmetic of a CTA that runs the splits in turn), the sink joining the
-// denominator: deterministic, batch-invariant, and the same bits either way.
+// The last pass of a KV cache's key splits where each split had its own CTA (the decode path's, and the Hopper
+// forward's query chunks): each (batch, head, query) row's split parts folded in split order (row_epilogue.h:
+// SplitFold, the arithmetic of a CTA that runs the splits in turn), the sink joining the denominator: deterministic,
+// batch-invariant, and the same bits either way.
 //
 // CTA = one row, head_dim threads: thread (g, c) reads float4 column chunk c of the parts of splits g, g + 4, ...
 // (kGroups groups), all before any is needed, so that the row costs one round trip to memory, and stores them to
