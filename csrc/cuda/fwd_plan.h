@@ -123,7 +123,7 @@ inline FwdPlan plan_fwd_sequences(const FwdParams& p, int bucket, const FwdDevic
                                                     : mode == DecodeSplits::kInTurn && plan.splits > 1;
   const int64_t most_tiles = p.cu_seqlens_q != nullptr
                                  ? (static_cast<int64_t>(p.len_q) / plan.block_m + p.batch) * p.heads
-                                 : tiles * (plan.splits_in_turn ? 1 : plan.splits);
+                                 : tiles * decode_split_ctas(plan);
   plan.grid = static_cast<int>(std::min<int64_t>(device.num_sms, most_tiles));
   const int64_t split_floats = plan.splits_in_turn
                                    ? sequences_fold_floats(plan.grid, plan.consumers, plan.head_dim)

@@ -27,7 +27,7 @@ cudaError_t prepare_fwd_sequences(const FwdParams& params, const CUtensorMap& q_
   prep.len_new = params.len_new;
   prep.page_size = params.block_table != nullptr ? params.page_size : 0;
   prep.block_m = Traits::kBlockM;
-  prep.splits = params.plan.splits > 1 && !params.plan.splits_in_turn ? params.plan.splits : 1;  // tiles a split
+  prep.splits = decode_split_ctas(params.plan);  // a tile's splits that run as tiles of their own
   const bool entries = params.cu_seqlens_q == nullptr;
   const auto source = [&](const void* base, int64_t batch_stride, int64_t row_stride, bool query_rows) {
     return SeqMapSource{static_cast<const char*>(base), row_stride * 2, query_rows, entries ? batch_stride * 2 : 0};
@@ -83,7 +83,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   kernel<<<plan.grid, Traits::kNThreads, Traits::kSmemBytes, stream>>>(q_map, k_map, v_map, o_map, params);
   const cudaError_t err = cudaGetLastError();
   // A KV cache's key splits: their parts folded into out and lse (with the sinks) by the decode path's combine.
-  if (err != cudaSuccess || !Traits::kSequences || plan.splits <= 1 || plan.splits_in_turn) return err;
+  if (err != cudaSuccess || !Traits::kSequences || decode_split_ctas(plan) == 1) return err;
   return run_decode_combine<T>(params, Traits::kHeadDim, stream);
 }
 

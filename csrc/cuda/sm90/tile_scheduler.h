@@ -19,6 +19,7 @@
 
 #include <type_traits>
 
+#include "cuda/decode.h"
 #include "cuda/packed.h"
 #include "cuda/params.h"
 #include "cuda/sm90/fwd_traits.h"
@@ -149,7 +150,7 @@ struct Tile {
     num_n_blocks = Mask::num_n_blocks(m_end(p), len_q(p), len_k(p), p);
     if constexpr (Traits::kOptions) {
       n_first = Mask::n_first(m_first(), len_q(p), len_k(p), p);
-      if (kSequences && p.plan.splits > 1) {
+      if (split_part(p)) {
         const int blocks = split_key_blocks(p.len_k, Traits::kBlockN, p.plan.splits);
         n_first = max(n_first, split * blocks);
         num_n_blocks = min(num_n_blocks, (split + 1) * blocks);
@@ -364,7 +365,7 @@ struct SequenceScheduler {
     // Split by split (the tiles at work together read the same keys), then head by head.
     const int m_blocks = sequence_m_blocks(tile.len_q, kBlockM);
     const int split_tiles = m_blocks * p.heads;
-    tile.split = p.plan.splits > 1 && !p.plan.splits_in_turn ? local / split_tiles : 0;
+    tile.split = decode_split_ctas(p.plan) > 1 ? local / split_tiles : 0;
     local -= tile.split * split_tiles;
     tile.head = local / m_blocks;
     const int m_index = local - tile.head * m_blocks;
