@@ -142,6 +142,14 @@ struct KeyBlock {
   // The queries and keys of its (batch, kv head) or sequence.
   __device__ int len_q(const BwdParams& p) const { return kSequences ? seq_len_q : p.len_q; }
   __device__ int len_k(const BwdParams& p) const { return kSequences ? seq_len_k : p.len_k; }
+  // Whether the step's queries m_start .. + kBlockM - 1 see none of the 64 keys key_start .. + 63: all past L_k, or
+  // beyond the band's right edge of its last query, or before the left edge of its first (a band's rows see one
+  // contiguous range of keys). Terms as mask.h's band_step_edges.
+  __device__ bool keys_unseen(int m_start, int key_start, int causal_shift, const BwdParams& p) const {
+    const int last_query = min(m_start + Traits::kBlockM, len_q(p)) - 1;
+    return key_start >= len_k(p) || (right(p) >= 0 && key_start > last_query + causal_shift + right(p)) ||
+           (left(p) >= 0 && key_start + 63 < m_start + causal_shift - left(p));
+  }
   // Row `key`'s element offset in dk or dv (its batch, head and row strides): in the batch entry, or packed
   // (total_k, Hk, D) in the sequence's rows from k_offset.
   __device__ int64_t kv_offset(int key, int64_t batch_stride, int64_t head_stride, int64_t row_stride) const {

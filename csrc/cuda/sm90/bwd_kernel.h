@@ -34,7 +34,8 @@
 // warpgroup's dQ and dS^T tiles in whole 128-byte lines while the next block's K and V load (they were the CTA's last
 // cost outside the steps, with the wait for the first K and V).
 //
-// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
+// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges (each
+// warpgroup where they cut its own 64 keys; where a step sees none of them, only its dQ share with a zero dS); with
 // softcap it forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t
 // as fp16 pairs (fp32 spills at D64), then dS^T = P^T (dP^T - delta) (1 - t^2).
 #pragma once
@@ -350,6 +351,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       lse_log2.load(smem.lse_log2 + stats_offset, lane);
       if (step + 1 < num_steps) load_stats(block, step + 1);  // in flight during this step
 
+      if constexpr (kOptions) {
+        // A step whose queries see none of this warpgroup's keys (a band's first or last steps): no GEMM but its
+        // share of the dQ handoff, with a zero dS tile.
+        static_assert(!Traits::kDqTransposed, "masked steps store dS^T key-major");
+        if (block.keys_unseen(m_start, n_start + 64 * consumer, causal_shift, p)) {
+          mbarrier_wait(&smem.q_full[stage], parity);
+          mbarrier_wait(&smem.do_full[stage], parity);
+          if (g >= 2) mbarrier_wait(&smem.ds_empty[2 * (g % 2) + consumer], ((g / 2) - 1) & 1);
+          float zero[kBlockM / 2];
+#pragma unroll
+          for (int i = 0; i < kBlockM / 2; ++i) zero[i] = 0.f;
+          store_swizzled_tile<T, kBlockM>(smem.ds_tile(g % 2, consumer), zero, warp, lane);
+          if (step + 1 < num_steps) store_stats(buffer ^ 1);
+          fence_proxy_async_smem();
+          mbarrier_arrive(&smem.ds_full[2 * (g % 2) + consumer]);
+          float dq[kDqRegs];
+          issue_dq(g - 1, step > 0, dq);
+          wgmma_wait<0>();
+          mbarrier_arrive(&smem.do_empty[stage]);
+          if (step > 0) finish_dq(g - 1, dq, step > 1);
+          mbarrier_arrive(&smem.q_empty[stage]);
+          continue;
+        }
+      }
       float s[kBlockM / 2], dp[kBlockM / 2];
       mbarrier_wait(&smem.q_full[stage], parity);
       issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
@@ -372,7 +397,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         // entry against the bounds that cut the step (mask.h: fill_outside).
         const int left = Block::left(p), right = Block::right(p);
         const int len_q = block.len_q(p), len_k = block.len_k(p);
-        const int edges = band_step_edges<kBlockM, kBlockN>(m_start, n_start, causal_shift, left, right, len_q, len_k);
+        const int edges =
+            band_step_edges<kBlockM, 64>(m_start, n_start + 64 * consumer, causal_shift, left, right, len_q, len_k);
         const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
           band_query_cols(key0, m_start + 2 * (lane % 4), left, right, len_q, len_k, first, last);
         };
