@@ -91,6 +91,16 @@ def test_window_grads_head_dims(device, dtype, head_dim):
     run_grads(q, k, v, True, None, (100, 0))
 
 
+@pytest.mark.parametrize("window", [(0, 0), (100, 0), (64, 64), (300, -1)], ids=["w0_0", "w100_0", "w64_64", "w300_-1"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
+def test_window_grads_many_key_blocks(device, dtype, head_dim, window):
+    # 192 key blocks of 128 keys, more than a GPU's SMs: a persistent backward CTA runs several, and the band's steps
+    # that see none of a warpgroup's keys (the first or last of a block) come after other blocks' steps.
+    q, k, v = make_qkv(2, 16, 8, 1500, 1500, head_dim, dtype, device)
+    run_grads(q, k, v, False, None, window)
+
+
 @pytest.mark.parametrize("len_q,len_k", [(257, 129), (70, 300)], ids=["q257-k129", "q70-k300"])
 @pytest.mark.parametrize("window", GRAD_WINDOWS, ids=GRAD_WINDOW_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
