@@ -490,10 +490,8 @@ def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0, num_splits=0):
                     kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
                 seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
                 leftpad = torch.tensor(first, dtype=torch.int32, device="cuda") if padded else None
-                kwargs["num_splits"] = num_splits
                 out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
-                                                                 cache_leftpad=leftpad, **kwargs)
-                del kwargs["num_splits"]
+                                                                 cache_leftpad=leftpad, num_splits=num_splits, **kwargs)
                 assert torch.isfinite(out).all(), "no key outside an entry's valid rows may reach the output"
                 for b, (n, start) in enumerate(zip(lengths, first)):
                     if len_new:
