@@ -302,8 +302,7 @@ struct FwdEpilogue {
 
   // ---- key splits of a KV cache's tiles (Tile::split_part) ----
 
-  // The thread's first row in the tile (+ 8 for its second), as the consumer's accumulators hold them.
-  __device__ int row_in_block0() const { return 64 * consumer + 16 * warp + lane / 4; }
+  __device__ int row_in_block0() const { return accumulator_row0(consumer, warp, lane); }
 
   // A split's rows, once the last P V is done: its part to the workspace (a CTA per split, for the combine), or
   // folded into this thread's state (splits in turn), whose last split leaves the folded rows in o and their factor

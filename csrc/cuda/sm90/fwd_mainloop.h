@@ -31,6 +31,11 @@
 
 namespace flashattn::sm90 {
 
+// The thread's first row in its CTA's tile (+ 8 for its second), as a consumer's wgmma accumulators hold them.
+__device__ __forceinline__ int accumulator_row0(int consumer, int warp, int lane) {
+  return 64 * consumer + 16 * warp + lane / 4;
+}
+
 // ---- GEMMs ----------------------------------------------------------------------------------------------------------
 
 // S = Q K^T for this warpgroup's 64 rows: k16 steps walk 32 bytes inside a 128-byte swizzled row, then the next
@@ -321,7 +326,7 @@ struct FwdConsumer {
   __device__ FwdConsumer(const SharedStorage<T, Traits>& storage, const FwdParams& params, int consumer_index,
                          int warp_index, int lane_index)
       : smem(storage), p(params), consumer(consumer_index), warp(warp_index), lane(lane_index),
-        row_in_block0(64 * consumer_index + 16 * warp_index + lane_index / 4),
+        row_in_block0(accumulator_row0(consumer_index, warp_index, lane_index)),
         negate(!softcapped(params) && params.scale_log2 < 0.f),
         scale_log2(softcapped(params) ? params.softcap * 1.4426950408889634f : fabsf(params.scale_log2)),
         causal_shift(params.len_k - params.len_q) {}
