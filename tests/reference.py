@@ -372,6 +372,12 @@ def make_qkv(
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def sinks_for_keys(heads: int, device="cpu") -> Tensor:
+    """One float32 sink per head, from 2 to 6: near the lse of rows of tens to hundreds of keys (log 50 = 3.9, log 500
+    = 6.2), so that each takes a share of its rows that a kernel ignoring or doubling it cannot hide in the tolerance."""
+    return torch.linspace(2.0, 6.0, heads, device=device)
+
+
 def fwd_and_check(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
     """flashattn.fwd of q, k, v checked with assert_attention_close; returns (out, lse)."""
     out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)

@@ -7,7 +7,7 @@ import torch
 
 import flashattn_ext
 from isolated import run_isolated
-from reference import assert_attention_close, make_qkv
+from reference import assert_attention_close, make_qkv, sinks_for_keys
 
 pytestmark = pytest.mark.cuda
 
@@ -118,7 +118,7 @@ def test_rows_whose_scores_are_all_minus_inf(num_splits):
     q[..., 0] = q[..., 0].abs() + 0.5
     k[0, :, :, 0] = float("-inf")
     k[1, :, :600, 0] = float("-inf")
-    for sinks in (None, torch.linspace(-1.0, 1.0, 8, device="cuda")):
+    for sinks in (None, sinks_for_keys(8, "cuda")):
         out, lse = flashattn_ext.flash_attn_with_kvcache(q, k, v, num_splits=num_splits, sinks=sinks,
                                                          return_lse=True)
         if sinks is None:

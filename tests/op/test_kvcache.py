@@ -6,7 +6,7 @@ import torch
 
 import flashattn_ext
 from isolated import run_isolated
-from reference import assert_attention_close
+from reference import assert_attention_close, sinks_for_keys
 
 fwd_kvcache = torch.ops.flashattn.fwd_kvcache
 
@@ -72,7 +72,7 @@ MODS = {
 def mods_for(name):
     mods = dict(MODS[name])
     if mods.get("sinks"):
-        mods["sinks"] = torch.linspace(-1.0, 1.0, H)
+        mods["sinks"] = sinks_for_keys(H)
     return mods
 
 
@@ -360,7 +360,7 @@ def cuda_pages(k_cache, v_cache, page_size, seed=0, token_major=False):
 def cuda_mods(name):
     mods = dict(MODS[name])
     if mods.get("sinks"):
-        mods["sinks"] = torch.linspace(-1.0, 1.0, H, device="cuda")
+        mods["sinks"] = sinks_for_keys(H, "cuda")
     return mods
 
 
@@ -487,7 +487,7 @@ def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0, num_splits=0):
                 k, v = (tensor(len_new, heads_kv), tensor(len_new, heads_kv)) if len_new else (None, None)
                 kwargs = dict(MODS[mods])
                 if kwargs.get("sinks"):
-                    kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
+                    kwargs["sinks"] = sinks_for_keys(heads, "cuda")
                 seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
                 leftpad = torch.tensor(first, dtype=torch.int32, device="cuda") if padded else None
                 out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
@@ -611,7 +611,7 @@ PAGED_CHUNKS = [(200, 37, [0, 113, 333, 731]), (17, 0, [0, 5, 333, 768])]  # (ro
 def paged_chunks(head_dim, page_size, token_major=False, seed=0, num_splits=0):
     """Chunks of query rows against a 768-row bf16 cache (H8 / Hk2; PAGED_CHUNKS' entry lengths, NaN past them), dense
     and as `page_size`-row pages in a random order (spare pages NaN; token_major: (num_pages, page_size, Hk, D) pages
-    transposed), for each score modification, `num_splits` key splits; each dense entry checked against the reference.
+    transposed), for each score modification, `num_splits` key splits; each entry of both checked against the reference.
     Run in a process of its own to pick a kernel (FLASHATTN_FWD_SM90); returns ((dense out, lse), (paged out, lse))
     pairs."""
     torch.manual_seed(seed)
@@ -623,7 +623,7 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0, num_splits=0):
         for mods in MODS:
             kwargs = dict(MODS[mods])
             if kwargs.get("sinks"):
-                kwargs["sinks"] = torch.linspace(-1.0, 1.0, heads, device="cuda")
+                kwargs["sinks"] = sinks_for_keys(heads, "cuda")
             k_cache, v_cache = (torch.randn(batch, heads_kv, capacity, head_dim, **opts) for _ in range(2))
             for cache in (k_cache, v_cache):
                 poison_past(cache, lengths)
@@ -643,8 +643,8 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0, num_splits=0):
                         assert torch.equal(paged_cache[page, :, row], new[b, :, t])
                 e = slice(b, b + 1)
                 rows = slice(0, n + len_new)
-                assert_attention_close(dense[0][e], dense[1][e], q[e], k_cache[e, :, rows], v_cache[e, :, rows],
-                                       **kwargs)
+                for out, lse in (dense, paged):
+                    assert_attention_close(out[e], lse[e], q[e], k_cache[e, :, rows], v_cache[e, :, rows], **kwargs)
             results.append((dense, paged))
     return results
 

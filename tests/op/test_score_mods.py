@@ -34,6 +34,14 @@ def make_sinks(heads, device, low=-1.0, high=3.0):
     return torch.empty(heads, device=device).uniform_(low, high)
 
 
+def sinks_near_lse(lse):
+    """A sink per head within 1 of the median lse of its rows that see keys: a share of each row's mass that a kernel
+    ignoring or doubling the sink cannot hide in the tolerance, whatever the scores' scale."""
+    keyed = torch.where(lse.isfinite(), lse, float("nan")).transpose(0, 1).reshape(lse.shape[1], -1)
+    median = keyed.nanmedian(dim=1).values.float()
+    return median + torch.empty_like(median).uniform_(-1.0, 1.0)
+
+
 def run_fwd(q, k, v, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, sinks=None):
     out, lse = fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)
     assert_attention_close(out, lse, q, k, v, causal, scale, window_size, softcap, sinks)
@@ -91,13 +99,18 @@ def test_window_grads_head_dims(device, dtype, head_dim):
     run_grads(q, k, v, True, None, (100, 0))
 
 
-@pytest.mark.parametrize("window", [(0, 0), (100, 0), (64, 64), (300, -1)], ids=["w0_0", "w100_0", "w64_64", "w300_-1"])
+MANY_BLOCK_WINDOWS = [(0, 0), (100, 0), (64, 64), (300, -1), (-1, 40)]
+
+
+@pytest.mark.parametrize("len_k", [1500, 1420], ids=["k1500", "k1420"])
+@pytest.mark.parametrize("window", MANY_BLOCK_WINDOWS, ids=[f"w{left}_{right}" for left, right in MANY_BLOCK_WINDOWS])
 @pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
 @pytest.mark.dtypes(cpu=[], cuda=[torch.bfloat16])
-def test_window_grads_many_key_blocks(device, dtype, head_dim, window):
+def test_window_grads_many_key_blocks(device, dtype, head_dim, window, len_k):
     # 192 key blocks of 128 keys, more than a GPU's SMs: a persistent backward CTA runs several, and the band's steps
-    # that see none of a warpgroup's keys (the first or last of a block) come after other blocks' steps.
-    q, k, v = make_qkv(2, 16, 8, 1500, 1500, head_dim, dtype, device)
+    # that see none of a warpgroup's keys (the first or last of a block) come after other blocks' steps. Lk 1420: the
+    # band shifted off the blocks' boundaries by 80 keys, and under (0, 0) the first 80 rows see no key.
+    q, k, v = make_qkv(2, 16, 8, 1500, len_k, head_dim, dtype, device)
     run_grads(q, k, v, False, None, window)
 
 
@@ -311,8 +324,11 @@ COMBOS = {
 def test_combinations(device, dtype, combo, len_q, len_k):
     causal, window, softcap, with_sinks = COMBOS[combo]
     q, k, v = make_qkv(1, 4, 2, len_q, len_k, 128, dtype, device)
-    sinks = make_sinks(4, device) if with_sinks else None
-    run_fwd(q, k, v, causal, 1.5, window, softcap, sinks)
+    plain, lse = fwd(q, k, v, causal, 1.5, list(window), softcap)
+    sinks = sinks_near_lse(lse) if with_sinks else None
+    out, _ = run_fwd(q, k, v, causal, 1.5, window, softcap, sinks)
+    if with_sinks:
+        assert (out - plain).abs().amax() > 0.1, "the sinks must weigh in the rows"
     run_grads(q, k, v, causal, 1.5, window, softcap, sinks)
 
 
@@ -327,6 +343,7 @@ def test_combinations_deterministic(device, dtype, combo, deterministic_algorith
     first = bwd(dout, q, k, v, out, lse, causal, None, dlse, True, list(window), softcap, sinks)
     second = bwd(dout, q, k, v, out, lse, causal, None, dlse, True, list(window), softcap, sinks)
     unordered = bwd(dout, q, k, v, out, lse, causal, None, dlse, False, list(window), softcap, sinks)
+    assert_grads_close(first, q, k, v, dout, dlse, causal, None, window, softcap, sinks)
     for a, b, c in zip(first, second, unordered):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2)
