@@ -77,10 +77,10 @@ TORCH_LIBRARY(flashattn, m) {
       "Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   // Decoding against a KV cache, forward only. q (B, H, Lq, D). k_cache, v_cache: dense (B, Hk, Lmax, D), or paged
   // (num_pages, Hk, page_size, D) with block_table int32 (B, max_pages). cache_seqlens int32 (B,): valid lengths
-  // (default: the whole cache). k, v (B, Hk, Lnew, D), if given, are written into the caches at cache_seqlens[b] ..
-  // (the caches are mutated, cache_seqlens is not); attention then runs over cache_seqlens[b] + Lnew keys, causal
-  // bottom-right per batch entry. num_splits: key splits (0: chosen from the shape) on CUDA. cache_leftpad
-  // int32 (B,), dense caches: entry b's keys start there (left padding; default 0). lse float32 (B, H, Lq).
+  // (default: the capacity less Lnew). k, v (B, Hk, Lnew, D), if given, are written into the caches at cache_seqlens[b]
+  // .. (the caches are mutated, cache_seqlens is not); attention then runs over cache_seqlens[b] + Lnew keys, causal
+  // bottom-right per batch entry. num_splits: key splits (0: chosen from the shape) on CUDA. cache_leftpad int32 (B,),
+  // dense caches: entry b's keys start there (left padding; default 0). lse float32 (B, H, Lq).
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
       "Tensor? cache_seqlens=None, Tensor? block_table=None, bool causal=False, float? scale=None, "
