@@ -385,6 +385,19 @@ def fwd_and_check(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: 
     return out, lse
 
 
+def align_trailing_keys(q: Tensor, k: Tensor, rows: int = 3) -> Tensor:
+    """Key Lk - 1 - j set along query row Lq - 1 - j (j < rows; H == Hk), its score log(Lk) + 1/2 at the default
+    scale against N(0, 1) ones: about half of that row, whose last visible key it is under the causal mask. A kernel
+    that drops, doubles or misplaces a trailing key, or loses its dk / dv, then misses by far more than the tolerance;
+    with random inputs such a key weighs ~1 / Lk in one row. Modifies k in place; returns it."""
+    len_q, len_k, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    target = math.sqrt(head_dim) * (math.log(len_k) + 0.5)
+    for j in range(min(rows, len_q, len_k)):
+        query = q[:, :, len_q - 1 - j].float()
+        k[:, :, len_k - 1 - j] = (query * target / query.square().sum(-1, keepdim=True)).to(k.dtype)
+    return k
+
+
 def steer_scores(q, k, profile, scale):
     """q and k (fp32) whose scores follow `profile` (per key, in log2 units of the softmax, i.e. after the scale) in
     the even query rows and half of it in the odd ones, over small noise: query column 0 is 1 or 0.5 on a 0.1-scaled

@@ -11,6 +11,7 @@ from reference import (
     assert_error_within,
     assert_grad_layouts,
     assert_grad_properties,
+    assert_grads_close,
     attention_grads,
     make_qkv,
     op_inputs,
@@ -114,8 +115,6 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward's schedule")
     from isolated import run_isolated
-    from reference import assert_grads_close
-
     cases = small_grid_cases()
     runs, grids = {}, {}
     for ctas in ("", "3"):
@@ -146,8 +145,6 @@ def test_persistent_backward_small_grid_gives_the_default_grids_gradients():
 def test_cuda_backward_of_more_than_2_31_elements():
     # q, out, dout and dq of more than 2^31 elements: the entries past the mark get their gradients (64-bit offsets
     # in the kernels, the preprocessing and the dQ conversion).
-    from reference import assert_grads_close
-
     batch, heads, length, head_dim = 65537, 8, 32, 128
     q, k, v = make_qkv(batch, heads, heads, length, length, head_dim, torch.bfloat16, "cuda")
     assert q.numel() > 2**31
@@ -176,11 +173,12 @@ def test_cuda_grads_in_input_layouts(env):
         kwargs = dict(dlse=dlse, **mods)
         cases.append(("bwd", (dout, q, k, v, out, lse, True), kwargs))
         cases.append(("bwd", (dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, True), kwargs))
-        inputs.append((q, k, v))
+        inputs.append((q, k, v, dout, dlse, mods.get("window_size", (-1, -1))))
     results = run_isolated(env, "cuda_kernels.schedule_runs", "backward_each", cases)
-    for i, (q, k, v) in enumerate(inputs):
+    for i, (q, k, v, dout, dlse, window) in enumerate(inputs):
         got, want = results[2 * i], results[2 * i + 1]
         assert_grad_layouts(got, q, k, v)
         assert got[0].transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous()
+        assert_grads_close(got, q, k, v, dout, dlse, True, None, window)  # each path right, not only self-consistent
         for grad, expected in zip(got, want):
             torch.testing.assert_close(grad, expected, msg=lambda m: f"case {i}: {m}")

@@ -8,6 +8,7 @@ from cases import HEAD_DIMS, LENGTH_PAIRS
 from isolated import run_isolated
 from reference import (
     GRAD_FLOOR,
+    align_trailing_keys,
     assert_grad_layouts,
     assert_grad_properties,
     assert_grads_close,
@@ -97,6 +98,21 @@ def test_gradcheck_with_lse(case):
 def test_seq_lengths(device, dtype, causal, len_q, len_k):
     q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, dtype, device)
     run_and_check(q, k, v, causal)
+
+
+# (Lq, Lk) whose last key block holds one key (1025, 4097, 513) or whose rows cross several query blocks.
+TRAILING_LENGTHS = [(1025, 1025), (65, 1025), (129, 4097), (300, 513)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("len_q,len_k", TRAILING_LENGTHS, ids=[f"q{a}-k{b}" for a, b in TRAILING_LENGTHS])
+@pytest.mark.dtypes(cpu=[torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=["d64", "d128", "d256"])
+def test_trailing_keys(device, dtype, causal, len_q, len_k, head_dim):
+    # The last rows' last keys carry half of those rows (align_trailing_keys), so their dk and dv are among the
+    # largest: a backward that loses the last key block's gradients, or a key of it, fails.
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, head_dim, dtype, device)
+    run_and_check(q, align_trailing_keys(q, k), v, causal, with_lse=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

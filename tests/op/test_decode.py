@@ -65,7 +65,7 @@ def test_score_modifications(mods):
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_split_counts(num_splits):
-    # Every split count gives the reference's answer; each is deterministic.
+    # Every split count gives the reference's answer; each is deterministic and differs in its bits from one split.
     batch, heads, heads_kv, capacity, head_dim = 3, 32, 8, 2048, 128
     k_cache = torch.randn(batch, heads_kv, capacity, head_dim, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.randn_like(k_cache)
@@ -80,6 +80,10 @@ def test_split_counts(num_splits):
     out, lse = run()
     out2, lse2 = run()
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    if num_splits > 1:  # the count took effect: a row's keys merged from parts round differently from one pass
+        one = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                    num_splits=1, return_lse=True)
+        assert not torch.equal(lse, one[1]), "the splits did not run"
     for b, n in enumerate(lengths):
         assert_attention_close(out[b : b + 1], lse[b : b + 1], q[b : b + 1], k_cache[b : b + 1, :, :n],
                                v_cache[b : b + 1, :, :n], True)

@@ -11,6 +11,7 @@ from cases import HEAD_DIMS, LENGTH_PAIRS
 from flashattn_ext.ops import _output_like
 from reference import (
     OUT_FLOOR,
+    align_trailing_keys,
     assert_attention_close,
     assert_output_properties,
     make_qkv,
@@ -28,6 +29,19 @@ fwd = torch.ops.flashattn.fwd
 def test_seq_lengths(device, dtype, causal, len_q, len_k):
     q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, dtype, device)
     run_and_check(q, k, v, causal)
+
+
+# (Lq, Lk) whose last key block holds one key (1025, 4097, 513) or whose rows cross several query blocks.
+TRAILING_LENGTHS = [(1025, 1025), (65, 1025), (129, 4097), (300, 513)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("len_q,len_k", TRAILING_LENGTHS, ids=[f"q{a}-k{b}" for a, b in TRAILING_LENGTHS])
+@pytest.mark.dtypes(cpu=[torch.float32])
+def test_trailing_keys(device, dtype, causal, len_q, len_k):
+    # The last rows' last keys carry half of those rows (align_trailing_keys): the bound of the last key block.
+    q, k, v = make_qkv(1, 2, 2, len_q, len_k, 64, dtype, device)
+    run_and_check(q, align_trailing_keys(q, k), v, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
