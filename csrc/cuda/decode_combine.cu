@@ -12,6 +12,7 @@
 #include <math_constants.h>
 
 #include "cuda/decode.h"
+#include "cuda/launchers.h"
 #include "cuda/ptx_common.h"
 #include "cuda/row_epilogue.h"
 
@@ -140,12 +141,8 @@ cudaError_t run_decode_combine(const FwdParams& params, int head_dim, cudaStream
   // Past 48 KB with the kernel's own shared arrays, the launch needs the larger limit.
   constexpr int kStaticBytes = kDecodeMaxSplits * static_cast<int>(sizeof(int) + sizeof(float2)) + 16;
   if (smem + kStaticBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(decode_combine_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 combine_smem_bytes(kDecodeMaxSplits, kMaxHeadDim));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
-      return err;
-    }
+    const int bytes = combine_smem_bytes(kDecodeMaxSplits, kMaxHeadDim);
+    if (const cudaError_t err = allow_dynamic_smem(decode_combine_kernel<T>, bytes); err != cudaSuccess) return err;
   }
   decode_combine_kernel<T><<<static_cast<unsigned>(rows), head_dim, smem, stream>>>(params, head_dim);
   return cudaGetLastError();

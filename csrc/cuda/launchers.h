@@ -9,6 +9,15 @@
 
 namespace flashattn {
 
+// Lets `kernel` use `bytes` of dynamic shared memory (past the default 48 KB). Where the device refuses, returns the
+// attribute's error without leaving it behind (it is not sticky) for the next call to find.
+template <typename Kernel>
+inline cudaError_t allow_dynamic_smem(Kernel kernel, int bytes) {
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
+
 namespace sm80 {
 // kOptions: the variants with a sliding window, softcap and sinks (the params' score modifications; kCausal false).
 // kSequences (with kOptions): per-sequence lengths and offsets too: packed sequences (params.cu_seqlens_*), a KV

@@ -348,11 +348,7 @@ cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
   auto kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions, kSequences>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
-      return err;
-    }
+    if (const cudaError_t err = allow_dynamic_smem(kernel, kSmemBytes); err != cudaSuccess) return err;
   }
   const int64_t num_n_blocks = (params.len_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t blocks = !kSequences || params.cu_seqlens_q == nullptr

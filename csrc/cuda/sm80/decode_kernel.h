@@ -18,6 +18,7 @@
 #include <cmath>
 
 #include "cuda/decode.h"
+#include "cuda/launchers.h"
 #include "cuda/params.h"
 #include "cuda/row_epilogue.h"
 #include "cuda/sm80/ptx.h"
@@ -472,11 +473,7 @@ cudaError_t run_decode(const FwdParams& params, cudaStream_t stream) {
   auto kernel = flash_decode_kernel<T, Traits, kPaged>;
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
-      return err;
-    }
+    if (const cudaError_t err = allow_dynamic_smem(kernel, kSmemBytes); err != cudaSuccess) return err;
   }
   const int row_groups = decode_row_groups(params.heads_per_kv, params.len_q);
   const bool combine = params.plan.splits > 1 && !params.plan.splits_in_turn;

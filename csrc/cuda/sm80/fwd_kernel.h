@@ -15,6 +15,7 @@
 #include <climits>
 #include <cmath>
 
+#include "cuda/launchers.h"
 #include "cuda/packed.h"
 #include "cuda/params.h"
 #include "cuda/row_epilogue.h"
@@ -420,11 +421,7 @@ cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream) {
   if (kv_tiles != 4 && kv_tiles != 2 && kv_tiles != 1) return cudaErrorInvalidValue;
   const int smem_bytes = fwd_smem_bytes(HeadDim, kv_tiles);
   if (smem_bytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // not sticky: leave no error behind for the next call to find
-      return err;
-    }
+    if (const cudaError_t err = allow_dynamic_smem(kernel, smem_bytes); err != cudaSuccess) return err;
   }
   const int64_t num_m_blocks = (params.len_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t blocks = !kSequences || params.cu_seqlens_q == nullptr

@@ -47,6 +47,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "cuda/launchers.h"
 #include "cuda/params.h"
 #include "cuda/ptx_common.h"
 #include "cuda/sm90/bwd_common.h"
@@ -596,7 +597,7 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
       return flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
     }
   }();
-  if (!allow_dynamic_smem(kernel, kSmemBytes)) return cudaErrorNotSupported;
+  if (allow_dynamic_smem(kernel, kSmemBytes) != cudaSuccess) return cudaErrorNotSupported;
   if constexpr (kSequences) {
     SequencesPrepParams prep = sequences_prep(params, kBwdSeqMaps);
     prep.sources[kBwdSeqMapQ] = {static_cast<const char*>(params.q), params.q_row_stride * 2, true};

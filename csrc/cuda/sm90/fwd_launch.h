@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "cuda/decode.h"
+#include "cuda/launchers.h"
 #include "cuda/params.h"
 #include "cuda/sm90/fwd_kernel.h"
 #include "cuda/sm90/fwd_traits.h"
@@ -75,7 +76,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   if (!o_mapped) return cudaErrorNotSupported;
   auto kernel = flash_fwd_sm90_kernel<T, Traits, kCausal>;
   static_assert(sizeof(T) == 2, "16-bit elements");
-  if (!allow_dynamic_smem(kernel, Traits::kSmemBytes)) return cudaErrorNotSupported;
+  if (allow_dynamic_smem(kernel, Traits::kSmemBytes) != cudaSuccess) return cudaErrorNotSupported;
   if constexpr (Traits::kSequences) {
     const cudaError_t err = prepare_fwd_sequences<Traits>(params, q_map, k_map, v_map, o_map, stream);
     if (err != cudaSuccess) return err;

@@ -144,13 +144,4 @@ inline bool make_dq_accum_map(CUtensorMap* map, float* base, int64_t batch, int6
   return encode_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box);
 }
 
-// Lets `kernel` use `bytes` of dynamic shared memory. False, with no CUDA error left behind (the attribute error is
-// not sticky), if the device refuses: the caller may then launch a kernel that needs less.
-template <typename Kernel>
-inline bool allow_dynamic_smem(Kernel kernel, int bytes) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  return false;
-}
-
 }  // namespace flashattn::sm90
