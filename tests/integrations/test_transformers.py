@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import flashattn_ext  # noqa: E402
 import flashattn_ext.integrations.transformers as fa_hf  # noqa: E402
+from reference import assert_error_within, attention_ref  # noqa: E402
 
 fa_hf.register()
 
@@ -373,7 +374,8 @@ def test_left_padded_chunk_over_a_cache_cuda(monkeypatch):
     query = torch.randn(batch, heads, len_q, head_dim, device="cuda", dtype=torch.bfloat16)
     key, value = (torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = torch.ones(batch, len_k, dtype=torch.long, device="cuda")
-    for b, pad in enumerate([0, 6, 55]):
+    pads = [0, 6, 55]
+    for b, pad in enumerate(pads):
         mask[b, :pad] = 0
     calls = []
     kvcache = fa_hf.flash_attn_with_kvcache
@@ -383,6 +385,11 @@ def test_left_padded_chunk_over_a_cache_cuda(monkeypatch):
     monkeypatch.setattr(fa_hf, "_reads_cache_in_place", lambda *a: False)
     gathered = fa_hf._attention(query, key, value, mask, True, None, None, None, None)
     torch.testing.assert_close(got, gathered, rtol=2e-2, atol=2e-2)
+    for b, pad in enumerate(pads):  # and right: each entry against the reference over its real keys
+        q, k, v = query[b : b + 1], key[b : b + 1, :, pad:], value[b : b + 1, :, pad:]
+        want, _ = attention_ref(q.float(), k.float(), v.float(), causal=True)
+        low, _ = attention_ref(q, k, v, causal=True, upcast=False)
+        assert_error_within(got[b : b + 1].transpose(1, 2), want, [low], None, f"entry {b}")
 
 
 @pytest.mark.cuda
