@@ -1,6 +1,6 @@
 """GPU check of the Hopper building blocks in csrc/cuda/sm90 (wgmma descriptors and wrappers, TMA, mbarriers),
-one piece at a time, before the sm90 forward (issue 4) and backward (issue 3) kernels rely on them. Builds
-tests/sm90_probe.cu for sm_90a at test time; skipped without a Hopper GPU."""
+one piece at a time, under the sm90 forward and backward kernels that rely on them. Builds tests/sm90/sm90_probe.cu
+for sm_90a at test time; skipped without a Hopper GPU."""
 import math
 from pathlib import Path
 
