@@ -69,10 +69,10 @@ MODS = {
 }
 
 
-def mods_for(name):
+def mods_for(name, heads=H, device="cpu"):
     mods = dict(MODS[name])
     if mods.get("sinks"):
-        mods["sinks"] = sinks_for_keys(H)
+        mods["sinks"] = sinks_for_keys(heads, device)
     return mods
 
 
@@ -357,13 +357,6 @@ def cuda_pages(k_cache, v_cache, page_size, seed=0, token_major=False):
     return pages[0], pages[1], block_table
 
 
-def cuda_mods(name):
-    mods = dict(MODS[name])
-    if mods.get("sinks"):
-        mods["sinks"] = sinks_for_keys(H, "cuda")
-    return mods
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("mods", list(MODS))
 @pytest.mark.parametrize("len_new", [0, 1, 4])
@@ -374,7 +367,7 @@ def test_cuda_dense_cache(len_q, len_new, mods):
     q = torch.randn(B, H, len_q, CUDA_D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") if len_new else None
     v = torch.randn_like(k) if len_new else None
-    kwargs = cuda_mods(mods)
+    kwargs = mods_for(mods, device="cuda")
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True, **kwargs)
     assert torch.isfinite(out).all(), "nothing past a valid length may reach the output"
@@ -401,7 +394,7 @@ def test_cuda_left_padding(len_q, len_new, mods):
     q = torch.randn(B, H, len_q, CUDA_D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") if len_new else None
     v = torch.randn_like(k) if len_new else None
-    kwargs = cuda_mods(mods)
+    kwargs = mods_for(mods, device="cuda")
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     leftpad = torch.tensor(first, dtype=torch.int32, device="cuda")
     out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
@@ -423,7 +416,7 @@ def test_cuda_paged_cache_matches_dense(page_size, mods):
     k, v = (torch.randn(B, HK, len_new, CUDA_D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     assert_paged_matches_dense(q, (k_cache, v_cache), (k_pages, v_pages), block_table, k, v, seqlens, page_size,
-                               **cuda_mods(mods))
+                               **mods_for(mods, device="cuda"))
 
 
 @pytest.mark.cuda
@@ -485,9 +478,7 @@ def chunk_checked(head_dim, layout, chunks=CHUNKS, seed=0, num_splits=0):
                         cache[b, :, :start] = float("nan")
                 q = tensor(len_q, heads)
                 k, v = (tensor(len_new, heads_kv), tensor(len_new, heads_kv)) if len_new else (None, None)
-                kwargs = dict(MODS[mods])
-                if kwargs.get("sinks"):
-                    kwargs["sinks"] = sinks_for_keys(heads, "cuda")
+                kwargs = mods_for(mods, heads, "cuda")
                 seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
                 leftpad = torch.tensor(first, dtype=torch.int32, device="cuda") if padded else None
                 out, lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True,
@@ -621,9 +612,7 @@ def paged_chunks(head_dim, page_size, token_major=False, seed=0, num_splits=0):
     for len_q, len_new, lengths in PAGED_CHUNKS:
         seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         for mods in MODS:
-            kwargs = dict(MODS[mods])
-            if kwargs.get("sinks"):
-                kwargs["sinks"] = sinks_for_keys(heads, "cuda")
+            kwargs = mods_for(mods, heads, "cuda")
             k_cache, v_cache = (torch.randn(batch, heads_kv, capacity, head_dim, **opts) for _ in range(2))
             for cache in (k_cache, v_cache):
                 poison_past(cache, lengths)
