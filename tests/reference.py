@@ -378,6 +378,14 @@ def sinks_for_keys(heads: int, device="cpu") -> Tensor:
     return torch.linspace(2.0, 6.0, heads, device=device)
 
 
+def with_sinks(mods: dict, heads: int, device="cpu") -> dict:
+    """A copy of keyword arguments for the ops in which `sinks=True` stands for sinks_for_keys(heads, device)."""
+    mods = dict(mods)
+    if mods.get("sinks") is True:
+        mods["sinks"] = sinks_for_keys(heads, device)
+    return mods
+
+
 def fwd_and_check(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
     """flashattn.fwd of q, k, v checked with assert_attention_close; returns (out, lse)."""
     out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)

@@ -6,7 +6,7 @@ import torch
 
 import flashattn_ext
 from isolated import run_isolated
-from reference import assert_attention_close, sinks_for_keys
+from reference import assert_attention_close, with_sinks
 
 fwd_kvcache = torch.ops.flashattn.fwd_kvcache
 
@@ -70,10 +70,7 @@ MODS = {
 
 
 def mods_for(name, heads=H, device="cpu"):
-    mods = dict(MODS[name])
-    if mods.get("sinks"):
-        mods["sinks"] = sinks_for_keys(heads, device)
-    return mods
+    return with_sinks(MODS[name], heads, device)
 
 
 @pytest.mark.parametrize("mods", list(MODS))

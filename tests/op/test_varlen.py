@@ -16,7 +16,7 @@ from reference import (
     free_nan_blocks,
     leaves,
     rows_with_keys,
-    sinks_for_keys,
+    with_sinks,
 )
 
 fwd_varlen = torch.ops.flashattn.fwd_varlen
@@ -63,10 +63,7 @@ MODS = {
 
 
 def mods_for(name, heads, device="cpu"):
-    mods = dict(MODS[name])
-    if mods.get("sinks"):
-        mods["sinks"] = sinks_for_keys(heads, device)
-    return mods
+    return with_sinks(MODS[name], heads, device)
 
 
 @pytest.mark.parametrize("mods", list(MODS))
