@@ -1,4 +1,4 @@
-"""Shared pytest setup: per-test seeds, device/dtype parametrisation, markers, CUDA skips, poisoned CUDA memory.
+"""Shared pytest setup: per-test seeds, device/dtype parametrisation, markers, CUDA skips, poisoned memory.
 
 A test that takes a ``device`` argument runs on every device of :func:`devices`; one that takes ``device`` and
 ``dtype`` runs on every (device, dtype) pair the backend supports (:data:`DTYPES`), narrowed with
@@ -109,6 +109,24 @@ def poisoned_cuda_memory(request):
     if request.node.get_closest_marker("cuda") is not None and torch.cuda.is_available():
         poison_free_cuda_memory()
     yield
+
+
+@pytest.fixture(autouse=True)
+def poisoned_cpu_memory(request):
+    """A test off the GPU runs with torch's deterministic algorithms on, whose fill of uninitialized memory makes every
+    at::empty of the CPU kernels NaN (integers their maximum): an output they leave unwritten fails the test. The CPU
+    kernels are deterministic by construction and do not read the switch."""
+    if request.node.get_closest_marker("cuda") is not None:
+        yield
+        return
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 @pytest.fixture
