@@ -5,15 +5,17 @@ Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--he
 [--options] [--varlen] [--kvcache]
 
 --head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
-with --varlen and --kvcache too, for a change to one of them or a build of some head dims: racecheck over every case
-takes about 150 s of device time on the H200. --options runs each case with one of OPTION_SETS (windows, softcap,
+with --varlen and --kvcache too, for a change to one of them: racecheck over every case takes about 150 s of device
+time on the H200. A build of some head-dim buckets (FLASHATTN_HEADDIMS) runs only the cases those buckets hold. --options runs each case with one of OPTION_SETS (windows, softcap,
 sinks: the kernels' options variants) in turn. --varlen runs packed sequences instead (VARLEN_CASES, each plain and
 with every option set), and cu_seqlens whose values break the rules (they must give wrong rows, never an access
 outside the tensors). --kvcache runs KV cache calls (KVCACHE_CASES: the decode path, and query chunks, also in key
 splits) over dense and paged caches, with new keys appended, left padding, and a block table with pages out of range.
 """
 import argparse
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -75,9 +77,9 @@ VARLEN_CASES = [
 BAD_CU_SEQLENS = [[0, 1000, 7], [0, -5, 7], [0, 3, 2], [5, 2, 1]]  # for 7 packed rows
 
 
-def run_varlen(head_dims=None):
+def run_varlen(head_dims=None, built=None):
     calls = 0
-    for pairs, heads, heads_kv, head_dim in select_cases(head_dims, VARLEN_CASES, 3):
+    for pairs, heads, heads_kv, head_dim in select_cases(head_dims, VARLEN_CASES, 3, built):
         for mods, causal in [({}, False), ({}, True)] + [(m, True) for m in OPTION_SETS]:
             mods = dict(mods)
             if mods.get("sinks") is not None:
@@ -94,7 +96,8 @@ def run_varlen(head_dims=None):
                 (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
                 calls += 1
     q = k = v = torch.randn(7, 2, 64, device="cuda", dtype=torch.bfloat16)
-    for bad in BAD_CU_SEQLENS if head_dims is None or 64 in head_dims else []:
+    bad_ones = (head_dims is None or 64 in head_dims) and (built is None or 64 in built)
+    for bad in BAD_CU_SEQLENS if bad_ones else []:
         cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
         flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=True)
         calls += 1
@@ -119,9 +122,9 @@ KVCACHE_CASES = [
 ]
 
 
-def run_kvcache(head_dims=None):
+def run_kvcache(head_dims=None, built=None):
     calls = 0
-    for batch, heads, heads_kv, len_q, new, rows, head_dim, page in select_cases(head_dims, KVCACHE_CASES, 6):
+    for batch, heads, heads_kv, len_q, new, rows, head_dim, page in select_cases(head_dims, KVCACHE_CASES, 6, built):
         for mods in [{"causal": True}] + OPTION_SETS:
             mods = dict(mods)
             if mods.get("sinks") is not None:
@@ -165,10 +168,21 @@ def bucket(head_dim):
     return next(b for b in (64, 128, 256) if head_dim <= b)
 
 
-def select_cases(head_dims=None, cases=CASES, dim_index=5):
+KERNEL_TABLE = Path(__file__).resolve().parents[2] / "csrc/cuda/kernels.json"
+BUILD_BUCKETS = sorted(json.loads(KERNEL_TABLE.read_text())["buckets"])
+
+
+def build_bucket(head_dim):
+    """The build's head-dim bucket that holds head_dim (FLASHATTN_HEADDIMS names these): the smallest at least it."""
+    return next(b for b in BUILD_BUCKETS if head_dim <= b)
+
+
+def select_cases(head_dims=None, cases=CASES, dim_index=5, built=None):
     """The cases (CASES, VARLEN_CASES or KVCACHE_CASES, their head dim at dim_index) whose head dim runs in one of
-    the buckets head_dims (all with None)."""
-    return [case for case in cases if head_dims is None or bucket(case[dim_index]) in head_dims]
+    the buckets head_dims (all with None) and, with built (the build's buckets), whose build bucket is there: a build
+    of some buckets raises for the others."""
+    return [case for case in cases if (head_dims is None or bucket(case[dim_index]) in head_dims)
+            and (built is None or build_bucket(case[dim_index]) in built)]
 
 
 def main():
@@ -187,18 +201,22 @@ def main():
     head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
     if head_dims is not None and not head_dims <= {64, 128, 256}:
         raise SystemExit(f"--head-dims: buckets are 64, 128 and 256, not {args.head_dims}")
+    built = set(torch.ops.flashattn.cuda_head_dims())
+    if built != set(BUILD_BUCKETS):
+        print(f"sanitize: a build of buckets {sorted(built)}: cases of the others left out")
     if args.varlen:
-        calls = run_varlen(head_dims)
+        calls = run_varlen(head_dims, built)
         torch.cuda.synchronize()
         print(f"sanitize: {calls} packed forward/backward calls done")
         return
     if args.kvcache:
-        calls = run_kvcache(head_dims)
+        calls = run_kvcache(head_dims, built)
         torch.cuda.synchronize()
         print(f"sanitize: {calls} decode calls done")
         return
     calls = 0
-    for index, (batch, heads, heads_kv, len_q, len_k, head_dim, causal) in enumerate(select_cases(head_dims)):
+    cases = select_cases(head_dims, built=built)
+    for index, (batch, heads, heads_kv, len_q, len_k, head_dim, causal) in enumerate(cases):
         mods = dict(OPTION_SETS[index % len(OPTION_SETS)]) if args.options else {}
         for dtype in (torch.bfloat16, torch.float16):
             if mods.get("sinks") is not None:

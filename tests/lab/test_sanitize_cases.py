@@ -28,3 +28,13 @@ def test_head_dims_keep_packed_and_cache_cases(sanitize):
         assert sanitize.select_cases(None, cases, index) == cases
         kept = sanitize.select_cases({128}, cases, index)
         assert kept and len(kept) < len(cases) and all(sanitize.bucket(case[index]) == 128 for case in kept)
+
+
+def test_a_partial_build_keeps_the_cases_of_its_buckets(sanitize):
+    # A build of buckets 64 and 128 raises for head dim 96 (bucket 96), not for 40 or 120 (buckets 64 and 128).
+    assert [sanitize.build_bucket(d) for d in (8, 40, 64, 96, 120, 200, 256)] == [32, 64, 64, 96, 128, 224, 256]
+    kept = sanitize.select_cases({64, 128}, built={64, 128})
+    assert kept and all(sanitize.build_bucket(case[5]) in {64, 128} for case in kept)
+    assert {case[5] for case in kept} == {40, 64, 120, 128}
+    assert len(kept) < len(sanitize.select_cases({64, 128}))
+    assert sanitize.select_cases(built=set(sanitize.BUILD_BUCKETS)) == sanitize.CASES
