@@ -12,6 +12,8 @@ LENGTH_PAIRS = [(n, n) for n in LENGTHS] + [
     (97, 7),
     (65, 1),
 ]
+# (Lq, Lk) whose last key block holds one key (1025, 4097, 513) or whose rows cross several query blocks.
+TRAILING_LENGTHS = [(1025, 1025), (65, 1025), (129, 4097), (300, 513)]
 CUDA_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]  # the buckets of the CUDA kernels
 # Non-bucket dims (120: bucket 128 with a partly empty second 64-column tile); 1 and 5 run on CPU only.
 HEAD_DIMS = CUDA_HEAD_DIMS + [40, 72, 120, 200] + [1, 5]

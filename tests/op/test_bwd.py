@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from cases import HEAD_DIMS, LENGTH_PAIRS
+from cases import HEAD_DIMS, LENGTH_PAIRS, TRAILING_LENGTHS
 from isolated import run_isolated
 from reference import (
     GRAD_FLOOR,
@@ -98,10 +98,6 @@ def test_gradcheck_with_lse(case):
 def test_seq_lengths(device, dtype, causal, len_q, len_k):
     q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, dtype, device)
     run_and_check(q, k, v, causal)
-
-
-# (Lq, Lk) whose last key block holds one key (1025, 4097, 513) or whose rows cross several query blocks.
-TRAILING_LENGTHS = [(1025, 1025), (65, 1025), (129, 4097), (300, 513)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

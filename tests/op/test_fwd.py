@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from cases import HEAD_DIMS, LENGTH_PAIRS
+from cases import HEAD_DIMS, LENGTH_PAIRS, TRAILING_LENGTHS
 from flashattn_ext.ops import _output_like
 from reference import (
     OUT_FLOOR,
@@ -29,10 +29,6 @@ fwd = torch.ops.flashattn.fwd
 def test_seq_lengths(device, dtype, causal, len_q, len_k):
     q, k, v = make_qkv(2, 2, 2, len_q, len_k, 64, dtype, device)
     run_and_check(q, k, v, causal)
-
-
-# (Lq, Lk) whose last key block holds one key (1025, 4097, 513) or whose rows cross several query blocks.
-TRAILING_LENGTHS = [(1025, 1025), (65, 1025), (129, 4097), (300, 513)]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -253,6 +253,11 @@ def test_cuda_forward_against_reference(dtype, head_dim, mods):
     kwargs = mods_for(mods, 4, "cuda")
     out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
     assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    assert_packed_close(out, lse, q, k, v, cu_q, cu_k, kwargs)
+
+
+def assert_packed_close(out, lse, q, k, v, cu_q, cu_k, kwargs):
+    """The packed forward's out and lse, each sequence against the reference."""
     for _, rows_q, rows_k in sequences(cu_q, cu_k):
         assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(), per_sequence(q, rows_q),
                                per_sequence(k, rows_k), per_sequence(v, rows_k), **kwargs)
@@ -295,9 +300,7 @@ def forward_checked(pairs, head_dim, mods, seed=0):
     q, k, v, cu_q, cu_k = packed_inputs(pairs, 4, 2, head_dim, torch.bfloat16, "cuda", "strided")
     kwargs = mods_for(mods, 4, "cuda")
     out, lse = flashattn_ext.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **kwargs)
-    for _, rows_q, rows_k in sequences(cu_q, cu_k):
-        assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(), per_sequence(q, rows_q),
-                               per_sequence(k, rows_k), per_sequence(v, rows_k), **kwargs)
+    assert_packed_close(out, lse, q, k, v, cu_q, cu_k, kwargs)
 
 
 @pytest.mark.cuda
@@ -507,14 +510,11 @@ def test_cuda_bad_cu_seqlens_never_hang_the_ordered_backward(head_dim, determini
 
 
 def forward_with_keyless_tail(head_dim):
-    """A packed forward whose last tiles see no key (for run_isolated, whose timeout ends a hang); the sequences with
-    keys checked against the reference."""
+    """A packed forward whose last tiles see no key (for run_isolated, whose timeout ends a hang), checked against the
+    reference."""
     q, k, v, cu_q, cu_k = packed_inputs([(300, 300), (6000, 0), (200, 700)], 16, 16, head_dim, torch.bfloat16, "cuda")
     out, lse = fwd_varlen(q, k, v, cu_q, cu_k)
-    for _, rows_q, rows_k in sequences(cu_q, cu_k):
-        if rows_k.stop > rows_k.start:
-            assert_attention_close(per_sequence(out, rows_q), lse[None, :, rows_q].contiguous(), per_sequence(q, rows_q),
-                                   per_sequence(k, rows_k), per_sequence(v, rows_k))
+    assert_packed_close(out, lse, q, k, v, cu_q, cu_k, {})
     return out, lse
 
 
