@@ -436,9 +436,11 @@ def free_nan_blocks(numel: int, count: int = 8) -> None:
     assert torch.empty(numel, device="cuda").cpu().isnan().all(), "the caching allocator kept the NaN blocks"
 
 
-def op_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None):
-    """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd, random grads."""
-    out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale)
+def op_inputs(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: Optional[float] = None,
+              window_size: tuple[int, int] = (-1, -1)):
+    """(dout, out, lse, dlse) for calling flashattn.bwd directly: out and lse from flashattn.fwd (with the window the
+    backward is given), random grads."""
+    out, lse = torch.ops.flashattn.fwd(q, k, v, causal, scale, list(window_size))
     return torch.randn_like(out), out, lse, torch.randn_like(lse)
 
 

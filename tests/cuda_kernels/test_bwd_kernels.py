@@ -169,11 +169,12 @@ def test_cuda_grads_in_input_layouts(env):
     for head_dim, heads_kv, mods in ((64, 2, {}), (128, 4, {"window_size": (64, 0)}),
                                      (128, 2, {"deterministic": True}), (256, 2, {})):
         q, k, v = make_qkv(2, 4, heads_kv, 97, 130, head_dim, torch.bfloat16, "cuda", layout="seq_major")
-        dout, out, lse, dlse = op_inputs(q, k, v, True)
+        window = mods.get("window_size", (-1, -1))
+        dout, out, lse, dlse = op_inputs(q, k, v, True, window_size=window)
         kwargs = dict(dlse=dlse, **mods)
         cases.append(("bwd", (dout, q, k, v, out, lse, True), kwargs))
         cases.append(("bwd", (dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, True), kwargs))
-        inputs.append((q, k, v, dout, dlse, mods.get("window_size", (-1, -1))))
+        inputs.append((q, k, v, dout, dlse, window))
     results = run_isolated(env, "cuda_kernels.schedule_runs", "backward_each", cases)
     for i, (q, k, v, dout, dlse, window) in enumerate(inputs):
         got, want = results[2 * i], results[2 * i + 1]
