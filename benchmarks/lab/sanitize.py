@@ -4,13 +4,14 @@ Lq != Lk, rows without keys. FLASHATTN_CUDA_BWD=fused checks the fused backward 
 Usage: compute-sanitizer --tool memcheck python benchmarks/lab/sanitize.py [--head-dims 128,256] [--deterministic]
 [--options] [--varlen] [--kvcache]
 
---head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it),
-with --varlen and --kvcache too, for a change to one of them: racecheck over every case takes about 150 s of device
-time on the H200. A build of some head-dim buckets (FLASHATTN_HEADDIMS) runs only the cases those buckets hold. --options runs each case with one of OPTION_SETS (windows, softcap,
-sinks: the kernels' options variants) in turn. --varlen runs packed sequences instead (VARLEN_CASES, each plain and
-with every option set), and cu_seqlens whose values break the rules (they must give wrong rows, never an access
-outside the tensors). --kvcache runs KV cache calls (KVCACHE_CASES: the decode path, and query chunks, also in key
-splits) over dense and paged caches, with new keys appended, left padding, and a block table with pages out of range.
+--head-dims keeps the cases whose head dim runs in those Hopper kernels (64, 128, 256: the smallest that holds it), with
+--varlen and --kvcache too, for a change to one of them: racecheck over every case takes about 150 s of device time on
+the H200. A build of some head-dim buckets (FLASHATTN_HEADDIMS) runs only the cases those buckets hold. --options runs
+each case with one of OPTION_SETS (windows, softcap, sinks: the kernels' options variants) in turn. --varlen runs packed
+sequences instead (VARLEN_CASES, each plain and with every option set), and cu_seqlens whose values break the rules
+(they must give wrong rows, never an access outside the tensors). --kvcache runs KV cache calls (KVCACHE_CASES: the
+decode path, and query chunks, also in key splits) over dense and paged caches, with new keys appended, left padding,
+and a block table with pages out of range.
 """
 import argparse
 import json
@@ -96,8 +97,7 @@ def run_varlen(head_dims=None, built=None):
                 (out.float().square().sum() + lse.masked_fill(lse.isinf(), 0).sum()).backward()
                 calls += 1
     q = k = v = torch.randn(7, 2, 64, device="cuda", dtype=torch.bfloat16)
-    bad_ones = (head_dims is None or 64 in head_dims) and (built is None or 64 in built)
-    for bad in BAD_CU_SEQLENS if bad_ones else []:
+    for bad in BAD_CU_SEQLENS if select_cases(head_dims, [(64,)], 0, built) else []:  # a head dim of 64
         cu = torch.tensor(bad, dtype=torch.int32, device="cuda")
         flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=True)
         calls += 1
