@@ -47,6 +47,14 @@ __device__ __forceinline__ float row_lse(bool sees_keys, float base_log2, float 
   return sum > 0.f ? (base_log2 + __log2f(sum)) * kLn2 : CUDART_NAN_F;
 }
 
+// Whether a row that add_sink gave its sink (keep: what add_sink returned) has the sink's logit itself as its lse:
+// where no key weighs anything against the sink (the row sees none, every score it sees is -inf, or their weights
+// fall below float's range: keep 0 and the sum the sink's 1 alone), as the CPU and the split fold (fold_finish) give.
+// A NaN row that sees keys stays NaN (its sum is NaN).
+__device__ __forceinline__ bool lse_is_sink(bool sees_keys, float keep, float sum) {
+  return !sees_keys || (keep == 0.f && sum == 1.f);
+}
+
 // A row computed in key splits (the decode path): its parts, each normalised with its natural-log lse, folded in split
 // order into a running maximum m and sum, the output accumulated as acc = acc * alpha + part * beta. The decode kernel
 // (a CTA running the splits in turn) and the combine pass (a CTA per split before it) both fold through these, so that

@@ -283,6 +283,24 @@ def test_sinks_only_rows_without_keys():
     torch.testing.assert_close(dsinks, dlse.sum((0, 2)))
 
 
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (16, 40))],
+                         ids=["full", "causal", "window"])
+def test_sinks_of_rows_whose_scores_are_all_minus_inf(device, causal, window):
+    # Entry 0: every score is -inf (a key column of -inf against a positive query column), so no key weighs anything:
+    # out 0 and lse = the sink, exactly, as for a row without keys (and as the decode path's split fold gives);
+    # without a sink, NaN, as softmax gives. Entry 1 is plain.
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(2, 4, 2, 70, 130, 64, dtype, device)
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[0, :, :, 0] = float("-inf")
+    sinks = make_sinks(4, device)
+    out, lse = fwd(q, k, v, causal, None, list(window), 0.0, sinks)
+    assert (out[0] == 0).all() and torch.equal(lse[0], sinks[:, None].expand_as(lse[0]))
+    assert out[1].isfinite().all() and lse[1].isfinite().all()
+    out, lse = fwd(q, k, v, causal, None, list(window), 0.0, None)
+    assert out[0].isnan().all() and lse[0].isnan().all()
+
+
 def test_sinks_minus_infinity_is_no_sink():
     q, k, v = make_qkv(1, 2, 2, 40, 30, 16, torch.float32, "cpu")
     sinks = torch.full((2,), float("-inf"))

@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
     const bool sees_keys = row_sees_band(query, shift, left, right, len_k);
     const float keep = sink ? add_sink(p.sinks[head], base, sum) : 1.f;
     store_row(o, sees_keys ? keep / sum : 0.f,  // a row without keys: out = 0
-              sink && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum));
+              sink && lse_is_sink(sees_keys, keep, sum) ? p.sinks[head] : row_lse(sees_keys, base, sum));
     return;
   }
   // This split's part, for the combine.

@@ -391,8 +391,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSM)
         acc_o[mt][dt][2 * half + 1] *= inv;
       }
       if (lane % 4 == 0 && row < len_q()) {
-        // A row without keys has its sink's logit as lse, exactly.
-        lse_base[row] = kOptions && p.sinks != nullptr && !sees_keys ? p.sinks[head] : row_lse(sees_keys, base, sum);
+        const bool sink_lse = kOptions && p.sinks != nullptr && lse_is_sink(sees_keys, keep, sum);
+        lse_base[row] = sink_lse ? p.sinks[head] : row_lse(sees_keys, base, sum);
       }
     }
   }

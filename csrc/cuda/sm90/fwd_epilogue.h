@@ -170,8 +170,8 @@ struct FwdEpilogue {
   }
 
   // The rows' totals: inv (1 / sum, 0 for a row without keys) and, with store_lse, their lse; with sinks (options
-  // variants, never split) the sink joins the sum, and a row without keys has the sink as its lse. Taken while the last
-  // P V runs (it changes only O); a stream-K tile has them again after the merge.
+  // variants, never split) the sink joins the sum, and a row whose keys weigh nothing has the sink as its lse. Taken
+  // while the last P V runs (it changes only O); a stream-K tile has them again after the merge.
   __device__ void row_totals(const RowSoftmax<Traits::kBlockN>& softmax, const TileT& tile, int row_in_block0,
                              int causal_shift, float scale_log2, bool store_lse, float (&inv)[2]) {
     float* const lse_base = tile.lse(p);
@@ -205,7 +205,7 @@ struct FwdEpilogue {
       if (sinks) keep = add_sink(p.sinks[tile.head], base, sum);
       inv[h] = sees_keys ? (Traits::kOptions ? keep / sum : 1.f / sum) : 0.f;  // a row without keys: out = 0
       if (store_lse && (!Traits::kTilesEndAtLq || row >= 0) && row < tile.len_q(p) && lane % 4 == 0) {
-        lse_base[row] = sinks && !sees_keys ? p.sinks[tile.head] : row_lse(sees_keys, base, sum);
+        lse_base[row] = sinks && lse_is_sink(sees_keys, keep, sum) ? p.sinks[tile.head] : row_lse(sees_keys, base, sum);
       }
     }
   }
