@@ -1,5 +1,8 @@
 """Shapes the tests share, and Python models of the Hopper forward's host schedule (csrc/cuda/sm90/tile_size.h and
 tile_scheduler.h), from which tests predict which schedule a shape gets on the GPU they run on."""
+import os
+
+import torch
 
 LENGTHS = [1, 7, 63, 65, 97, 129, 1025]
 LENGTH_PAIRS = [(n, n) for n in LENGTHS] + [
@@ -19,6 +22,11 @@ CUDA_HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]  # the buckets of the CUD
 HEAD_DIMS = CUDA_HEAD_DIMS + [40, 72, 120, 200] + [1, 5]
 
 STREAM_K_MIN_BLOCKS = 12  # tile_scheduler.h kStreamKMinBlocks
+
+
+def hopper_forward():
+    """Whether the Hopper forward runs here (an sm_90 GPU, FLASHATTN_FWD_SM90 not 0)."""
+    return torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"
 
 
 def stream_k_tiles(num_tiles, grid, num_n_blocks, min_blocks):

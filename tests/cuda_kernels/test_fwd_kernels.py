@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashattn_ext  # noqa: F401  (registers torch.ops.flashattn)
-from cases import causal_block_m, causal_zigzag_grid, stream_k_tiles
+from cases import causal_block_m, causal_zigzag_grid, hopper_forward, stream_k_tiles
 from isolated import run_isolated
 from cuda_kernels.schedule_runs import forward_each
 from reference import (
@@ -268,11 +268,6 @@ def test_cuda_non_default_stream():
     for t in (out, lse):  # allocated on the side stream, read on the current one
         t.record_stream(torch.cuda.current_stream())
     assert_attention_close(out, lse, *src, causal=True)
-
-
-def hopper_forward():
-    """Whether the Hopper forward runs here (an sm_90 GPU, FLASHATTN_FWD_SM90 not 0)."""
-    return torch.cuda.get_device_capability() == (9, 0) and os.environ.get("FLASHATTN_FWD_SM90", "1") != "0"
 
 
 # (head_dim, batch, len_q, len_k, scale). Without a mask the Hopper forward's D128 kernel can split its last tiles' key

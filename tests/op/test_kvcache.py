@@ -1,12 +1,11 @@
 """The KV-cache forward (flashattn.fwd_kvcache): appends in place, then attends over each entry's valid keys with the
 same bits as the dense op on those keys (itself checked against the fp64 reference); paged caches give the same
 results as dense ones; nothing past a valid length reaches the output."""
-import os
-
 import pytest
 import torch
 
 import flashattn_ext
+from cases import hopper_forward
 from isolated import run_isolated
 from reference import assert_attention_close, with_sinks
 
@@ -538,7 +537,7 @@ def test_cuda_chunk_key_splits(head_dim, num_splits):
 def test_cuda_chunk_automatic_key_splits():
     # H8 Lq130 (16 tiles an entry) against an 8192-row cache: two automatic splits on a GPU of 32 SMs or more (at
     # least 4096 keys each), the same bits as asking for two, and right where an entry holds fewer keys than a split.
-    if torch.cuda.get_device_capability() != (9, 0) or os.environ.get("FLASHATTN_FWD_SM90", "1") == "0":
+    if not hopper_forward():
         pytest.skip("key splits of query chunks are the Hopper kernel's")
     torch.manual_seed(0)
     opts = dict(dtype=torch.bfloat16, device="cuda")

@@ -9,13 +9,11 @@ strict switches of .ci/gpu-check the Hopper and the sm80 ones; the fused and the
 - batch invariance: a sequence's out and lse (and, with deterministic algorithms, its gradients) are the same bits in
   any batch.
 """
-import os
-
 import pytest
 import torch
 
 import flashattn_ext
-from cases import STREAM_K_MIN_BLOCKS, stream_k_tiles
+from cases import STREAM_K_MIN_BLOCKS, hopper_forward, stream_k_tiles
 from isolated import run_isolated
 from reference import (assert_attention_close, assert_grads_close, attention_ref, leaves, make_qkv, rows_with_keys,
                        visible_mask)
@@ -270,8 +268,7 @@ def batch_of(device, dtype, batch, seed, len_q, len_k, heads, head_dim):
 
 def stream_k_would_split(batch, device):
     """Whether the D128 Hopper forward's stream-K split, when allowed, would apply to a batch of INVARIANCE."""
-    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-    if not hopper or os.environ.get("FLASHATTN_FWD_SM90", "1") == "0":
+    if device != "cuda" or not hopper_forward():
         return False
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = batch * INVARIANCE["heads"] * INVARIANCE["len_q"] // 128
