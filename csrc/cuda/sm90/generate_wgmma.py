@@ -8,7 +8,7 @@ Each wrapper names its N / 2 accumulator registers in the asm operand list, whic
 """
 from pathlib import Path
 
-N_VALUES = (64, 80, 128, 176, 192, 256)  # the head dims and block widths the kernels use or tune
+N_VALUES = (64, 80, 128, 256)  # the head dims and block widths the kernels use
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
 OUT = Path(__file__).parent / "wgmma_ops.h"
 
