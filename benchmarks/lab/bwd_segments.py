@@ -13,7 +13,9 @@ times with another build's.
     python benchmarks/lab/bwd_segments.py trace.txt
 
 prints, per kernel variant and consumer, the steps a key block takes, the time of a step after the first, each
-segment's time per block and the block's time outside its steps (in steps).
+segment's time per block and the block's time outside its steps (in steps). tests/lab/test_bwd_segments.py fails once
+a change to bwd_kernel.h stops the patch from applying: apply it with `git apply -3`, mend, and write it again from
+`git diff`.
 """
 import argparse
 import collections
