@@ -152,7 +152,8 @@ inline FwdPlan plan_fwd(const FwdParams& p, int bucket, const FwdDevice& device,
   FwdPlan plan{};
   plan.kernel = FwdKernel::kSm90;
   plan.head_dim = sm90_kernel_head_dim(bucket);
-  const sm90::FwdTileShape shape = sm90::fwd_tile_shape(plan.head_dim, p.causal, p.len_q, p.len_k);
+  const bool softcap = p.options && p.softcap > 0.f;
+  const sm90::FwdTileShape shape = sm90::fwd_tile_shape(plan.head_dim, p.causal, p.len_q, p.len_k, softcap);
   plan.consumers = shape.consumers;
   plan.block_m = shape.block_m;
   plan.block_n = shape.block_n;

@@ -189,6 +189,25 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0), (100, 40)], ids=["w-1_-1", "w300_0", "w100_40"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "batch,heads,len_q,len_k",
+    [(1, 4, 1030, 1030), (1, 4, 1100, 1037), (1, 4, 1500, 2900), (1, 4, 2900, 1500), (2, 16, 1000, 1300),
+     (8, 64, 40, 600)],
+)
+def test_cuda_softcap_three_consumers(batch, heads, len_q, len_k, causal, window, dtype):
+    # D128 under softcap runs three consumers over 64-key blocks (tile_size.h): consumers without rows in a head's
+    # part-empty tile (Lq mod 192 in 1..128: 1030, 1100, 1000, 40), causal tiles ending at Lq and so starting at a
+    # negative row, consumers that skip the blocks past their rows, band edges inside 64-key blocks, and several tiles
+    # per CTA (2 x 16 and 8 x 64 heads). Scale 2.0 peaks the scores, so the cap binds.
+    q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, 128, dtype, "cuda")
+    out, lse = fwd(q, k, v, causal, 2.0, list(window), 30.0)
+    assert_attention_close(out, lse, q, k, v, causal, 2.0, window, 30.0, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3, 1.0])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -109,6 +109,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
       return launch_fwd_sm90<T, FwdTraits<64, false, 128, 3, kOptions>, false>(params, stream);
     }
   } else if constexpr (HeadDim == 128) {
+    if constexpr (kOptions) {  // softcap: three consumers over 64-key blocks
+      if (plan.consumers == 3) return launch_fwd_sm90<T, FwdTraits<128, kCausal, 64, 3, true>, kCausal>(params, stream);
+    }
     return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128, 2, kOptions>, kCausal>(params, stream);
   } else {
     if (plan.block_n == 64) {

@@ -51,17 +51,18 @@ struct FwdTraits {
   static constexpr TileOrder kOrder = fwd_tile_order(HeadDim, Causal, Options, Sequences);
   // The producer's mailbox slot: a tile index, or (packed sequences) the decoded tile (tile_scheduler.h: SeqTile).
   static constexpr int kMailboxInts = Sequences ? static_cast<int>(sizeof(SeqTile) / sizeof(int)) : 1;
-  // K/V stages: three at D64, where a tile's key blocks are shortest; two at D128 and D256, which fill shared memory.
-  static constexpr int kStages = HeadDim == 64 ? 3 : 2;
-  // D128 has room for one more K stage (not a K/V pair) beside its O buffers: K runs a block ahead of V across tiles,
-  // so the next tile's first K and Q wait less at a tile's start. Not under a causal mask with options, where a window
-  // 1024 ran 1.3% slower, but with packed sequences (KV-cache chunks: paged B1 8k Lq128 -12%, one tile a CTA). The
-  // 80-key D256 kernel without a mask does the same within a tile in equal rings (K[n + 2] then waits for S[n] only,
-  // not behind V[n + 1]).
+  // K/V stages: three at D64, where a tile's key blocks are shortest, and beside D128's 64-key blocks (whose consumers
+  // skip up to two blocks past their rows); two at D128's 128-key blocks and at D256, which fill shared memory.
+  static constexpr int kStages = HeadDim == 64 || (HeadDim == 128 && BlockN == 64) ? 3 : 2;
+  // D128's 128-key blocks leave room for one more K stage (not a K/V pair) beside their O buffers: K runs a block
+  // ahead of V across tiles, so the next tile's first K and Q wait less at a tile's start. Not under a causal mask with
+  // options, where a window 1024 ran 1.3% slower, but with packed sequences (KV-cache chunks: paged B1 8k Lq128 -12%,
+  // one tile a CTA). The 80-key D256 kernel without a mask does the same within a tile in equal rings (K[n + 2] then
+  // waits for S[n] only, not behind V[n + 1]).
   static constexpr KvLoadOrder kLoadOrder =
-      HeadDim == 128 && (!Causal || !Options || Sequences) ? KvLoadOrder::kKAheadAcrossTiles
-      : HeadDim == 256 && !Causal && BlockN == 80          ? KvLoadOrder::kKAheadInTile
-                                                           : KvLoadOrder::kKThenV;
+      HeadDim == 128 && BlockN == 128 && (!Causal || !Options || Sequences) ? KvLoadOrder::kKAheadAcrossTiles
+      : HeadDim == 256 && !Causal && BlockN == 80                           ? KvLoadOrder::kKAheadInTile
+                                                                            : KvLoadOrder::kKThenV;
   static constexpr int kKStages = kStages + (kLoadOrder == KvLoadOrder::kKAheadAcrossTiles ? 1 : 0);  // V: kStages
   // Q buffers: two at D64 (the next tile's Q loads while this one runs); one elsewhere (no room at D256, no gain at
   // D128, whose Q comes from registers).

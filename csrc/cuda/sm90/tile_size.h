@@ -37,9 +37,13 @@ struct FwdTileShape {
 constexpr int64_t d256_short_max_keys(bool causal) { return causal ? 2048 : 512; }
 
 // Three consumers at D64 where the GEMMs per key block are short next to the softmax (under a causal mask only once
-// rows and keys reach 1024: shorter causal tiles leave the third idle); two at D128 and D256, whose O fills the
-// registers. 128-key blocks up to D128.
-constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t len_q, int64_t len_k) {
+// rows and keys reach 1024: shorter causal tiles leave the third idle), and at D128 under softcap, whose tanh and
+// exponential per score keep the MUFU as long as the GEMMs keep the tensor cores: a third warpgroup's softmax runs
+// while the other two take turns at the GEMMs (64-key blocks leave its 160 registers room). Two at D128 otherwise and
+// at D256, whose O fills the registers. 128-key blocks up to D128 otherwise.
+constexpr FwdTileShape fwd_tile_shape(int kernel_head_dim, bool causal, int64_t len_q, int64_t len_k,
+                                      bool softcap = false) {
+  if (kernel_head_dim == 128 && softcap) return {3, 192, 64};
   const int consumers = kernel_head_dim == 64 && (!causal || (len_q >= 1024 && len_k >= 1024)) ? 3 : 2;
   const int block_n = kernel_head_dim <= 128 ? 128 : len_k <= d256_short_max_keys(causal) ? 64 : 80;
   return {consumers, 64 * consumers, block_n};
@@ -84,6 +88,9 @@ constexpr FwdTileShape fwd_sequences_tile_shape(int kernel_head_dim, bool causal
 static_assert(fwd_tile_shape(64, false, 100, 100).consumers == 3, "D64 without a mask: three consumers");
 static_assert(fwd_tile_shape(64, true, 1024, 1024).block_m == 192, "long causal D64: three consumers");
 static_assert(fwd_tile_shape(64, true, 1023, 4096).block_m == 128, "short causal D64: two");
+static_assert(fwd_tile_shape(128, true, 100, 100, true).block_n == 64 &&
+                  fwd_tile_shape(128, true, 100, 100).consumers == 2,
+              "D128: three consumers over 64-key blocks under softcap only");
 static_assert(bwd_ordered_interleave(256, false, 1024, 1, 50 << 20) == 8 &&
                   bwd_ordered_interleave(256, false, 4096, 1, 50 << 20) == 2 &&
                   bwd_ordered_interleave(256, false, 16384, 1, 50 << 20) == 1 &&
