@@ -198,7 +198,7 @@ def test_cuda_consumer_skips(head_dim, causal, batch, heads, len_q, len_k, dtype
 )
 def test_cuda_softcap_three_consumers(batch, heads, len_q, len_k, causal, window, dtype):
     # D128 under softcap runs three consumers over 64-key blocks (tile_size.h): consumers without rows in a head's
-    # part-empty tile (Lq mod 192 in 1..128: 1030, 1100, 1000, 40), causal tiles ending at Lq and so starting at a
+    # part-empty tile (Lq mod 192 in 1..128: 1030, 2900, 1000, 40), causal tiles ending at Lq and so starting at a
     # negative row, consumers that skip the blocks past their rows, band edges inside 64-key blocks, and several tiles
     # per CTA (2 x 16 and 8 x 64 heads). Scale 2.0 peaks the scores, so the cap binds.
     q, k, v = make_qkv(batch, heads, heads // 2, len_q, len_k, 128, dtype, "cuda")
