@@ -51,13 +51,15 @@ def summary(kind, entries):
     """Units, their parts (steps, blocks), ns per segment, ns per part after a unit's first, ns outside the parts."""
     units = sum(e[0] for e in entries)
     parts = sum(e[1] for e in entries)
-    ns = [sum(e[2][i] for e in entries) for i in range(len(SEGMENTS[kind]))]
+    names = SEGMENTS[kind]
+    ns = [sum(e[2][i] for e in entries) for i in range(len(names))]
     if kind == "blocks":  # the backward: a block's first step counts past a later step's time only
-        part_ns = ns[3] / max(1, parts - units)
-        outside = sum(ns) - ns[3] - ns[2] + max(0.0, ns[2] - units * part_ns)
+        first, later = ns[names.index("first step")], ns[names.index("other steps")]
+        part_ns = later / max(1, parts - units)
+        outside = sum(ns) - later - first + max(0.0, first - units * part_ns)
     else:  # the forward: a loop pass takes S of one block and P V of the one before; the first S and the last P V
         # make up one more block
-        part_ns = ns[6] / max(1, parts - units)
+        part_ns = ns[names.index("key loop")] / max(1, parts - units)
         outside = sum(ns) - parts * part_ns
     return units, parts, ns, part_ns, outside
 
