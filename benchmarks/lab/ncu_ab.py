@@ -103,11 +103,26 @@ def profile(args, build_dir):
     return launch_times(result.stdout)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_build_argument(parser):
+    """--build NAME=DIR, given once per build (also same_bits.py's)."""
     parser.add_argument("--build", action="append", default=[], metavar="NAME=DIR",
                         help="a source tree with the extension built in place; give two or more (the first is the "
                              "baseline)")
+
+
+def parse_builds(items):
+    """[(name, dir)] from the --build arguments; exits unless there are two or more with distinct names."""
+    if len(items) < 2 or any("=" not in b for b in items):
+        raise SystemExit("give two or more --build NAME=DIR")
+    builds = [tuple(b.split("=", 1)) for b in items]
+    if len({name for name, _ in builds}) != len(builds):
+        raise SystemExit("--build: the names must differ")
+    return builds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_build_argument(parser)
     parser.add_argument("--shapes", default="128:nc:1024,128:nc:4096", help="comma list of D:nc|c:L")
     # Three passes read a change of -1.35% as -0.47% once, with the passes overlapping (LOG.md, (20) and (22)).
     parser.add_argument("--passes", type=int, default=5, help="turns of each build")
@@ -134,11 +149,7 @@ def main():
     if args.launch:
         launch(args, shapes)
         return
-    if len(args.build) < 2 or any("=" not in b for b in args.build):
-        raise SystemExit("give two or more --build NAME=DIR")
-    builds = [tuple(b.split("=", 1)) for b in args.build]
-    if len({name for name, _ in builds}) != len(builds):
-        raise SystemExit("--build: the names must differ")
+    builds = parse_builds(args.build)
 
     medians = {name: [] for name, _ in builds}  # name -> [pass][shape]
     for _ in range(args.passes):
