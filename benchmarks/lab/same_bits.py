@@ -8,11 +8,13 @@ holding the GPU until the caller's limit.
 
     python benchmarks/lab/same_bits.py --build main=/tmp/main --build new=. [--head-dims 64,128] [--backward]
 
-Each build is a source tree with the extension built in place (as for ncu_ab.py). The grid, per head dim: (L_q, L_k)
-pairs from 1 to 4097 and one of 16384, causal or not, with no window and with four windows, GQA 1 and 4; every third
-case also with softcap 30 and with sinks, every seventh also in fp16. With --backward the runs are deterministic (the
-default dQ adds in a changing order) and take the gradients of q, k, v and the sinks too. --device cpu runs the CPU
-path (the tool's own test); --quick a grid of lengths up to 129.
+Each build is a source tree with the extension built in place (as for ncu_ab.py). The grid, per head dim: the dense
+op at (L_q, L_k) pairs from 1 to 4097 and one of 16384, causal or not, with no window and with four windows, GQA 1 and
+4, every third case also with softcap 30 and with sinks, every seventh also in fp16; packed sequences (two batches of
+odd lengths, three windows, softcap and sinks with GQA); a dense and a paged KV cache (three entries of 4096 rows: none,
+a third and all of them valid, the decoding row appending a key; 1, 4 and 130 query rows). With --backward the runs are
+deterministic (the default dQ adds in a changing order) and take the gradients of q, k, v and the sinks of the dense
+and packed cases too. --device cpu runs the CPU path (the tool's own test); --quick a grid of short lengths.
 """
 from __future__ import annotations
 
@@ -29,18 +31,56 @@ LENGTHS = [(1, 1), (7, 63), (65, 97), (129, 1025), (1025, 129), (300, 300), (204
            (16384, 16384)]
 QUICK_LENGTHS = [(1, 1), (7, 63), (65, 97), (129, 65)]
 WINDOWS = [(-1, -1), (1024, 0), (127, 0), (64, 64), (300, -1)]
+# Packed sequences: each sequence's (L_q, L_k).
+PACKED = [((1, 1), (65, 65), (300, 300), (1025, 1025)), ((7, 63), (129, 129), (1, 300), (513, 700))]
+QUICK_PACKED = [((1, 1), (7, 7), (65, 65)), ((7, 63), (1, 9), (65, 129))]
+# KV caches: the rows each entry holds, and the query rows.
+CACHE_ROWS, QUICK_CACHE_ROWS = 4096, 128
+CACHE_QUERIES, QUICK_CACHE_QUERIES = (1, 4, 130), (1, 4, 17)
 
 
 def cases(head_dims, quick=False):
     """The grid: one dict per case, in a fixed order (its index seeds the case's inputs)."""
+    return dense_cases(head_dims, quick) + packed_cases(head_dims, quick) + cache_cases(head_dims, quick)
+
+
+def packed_cases(head_dims, quick):
+    grid = []
+    for head_dim in head_dims:
+        for lengths in QUICK_PACKED if quick else PACKED:
+            for causal in (False, True):
+                for window in ((-1, -1), (1024, 0), (64, 64)):
+                    for gqa in (1, 4):
+                        base = dict(kind="packed", head_dim=head_dim, lengths=lengths, causal=causal, window=window,
+                                    gqa=gqa, softcap=0.0, sinks=False, dtype="bf16")
+                        grid += [base] + ([dict(base, softcap=30.0), dict(base, sinks=True)] if gqa == 4 else [])
+    return grid
+
+
+def cache_cases(head_dims, quick):
+    grid = []
+    for head_dim in head_dims:
+        for paged in (False, True):
+            for lq in QUICK_CACHE_QUERIES if quick else CACHE_QUERIES:
+                for causal in (False, True):
+                    for window in ((-1, -1), (1024, 0)):
+                        for gqa in (1, 4):
+                            grid.append(dict(kind="paged" if paged else "cache", head_dim=head_dim, lq=lq,
+                                             rows=QUICK_CACHE_ROWS if quick else CACHE_ROWS, page=16 if quick else 64,
+                                             causal=causal, window=window, gqa=gqa, softcap=0.0, sinks=False,
+                                             dtype="bf16", append=lq == 1))
+    return grid
+
+
+def dense_cases(head_dims, quick):
     grid, plain = [], 0
     for head_dim in head_dims:
         for lq, lk in QUICK_LENGTHS if quick else LENGTHS:
             for causal in (False, True):
                 for window in WINDOWS:
                     for gqa in (1, 4):
-                        base = dict(head_dim=head_dim, lq=lq, lk=lk, causal=causal, window=window, gqa=gqa,
-                                    softcap=0.0, sinks=False, dtype="bf16")
+                        base = dict(kind="dense", head_dim=head_dim, lq=lq, lk=lk, causal=causal, window=window,
+                                    gqa=gqa, softcap=0.0, sinks=False, dtype="bf16")
                         grid.append(base)
                         if plain % 3 == 0:
                             grid.append(dict(base, softcap=30.0))
@@ -52,7 +92,11 @@ def cases(head_dims, quick=False):
 
 
 def describe(case):
-    text = (f"D{case['head_dim']} Lq {case['lq']} Lk {case['lk']} {'causal' if case['causal'] else 'non-causal'} "
+    kind = case["kind"]
+    shape = (f"packed {case['lengths']}" if kind == "packed"
+             else f"{kind} Lq {case['lq']}{' appending' if case['append'] else ''}" if kind in ("cache", "paged")
+             else f"Lq {case['lq']} Lk {case['lk']}")
+    text = (f"D{case['head_dim']} {shape} {'causal' if case['causal'] else 'non-causal'} "
             f"window {case['window']} GQA {case['gqa']} {case['dtype']}")
     if case["softcap"]:
         text += f" softcap {case['softcap']:g}"
@@ -62,27 +106,64 @@ def describe(case):
 
 
 def run_case(fa, torch, case, index, device, backward):
-    """The case's outputs (out, lse, and with backward the gradients), moved to the CPU."""
+    """The case's outputs (out, lse, and with backward the gradients; with a cache, the caches), moved to the CPU."""
     dtype = torch.bfloat16 if case["dtype"] == "bf16" else torch.float16
-    heads, d = 8, case["head_dim"]
-    batch = 2 if case["lq"] * case["lk"] < 4096 * 4096 else 1
+    heads, d, kind = 8, case["head_dim"], case["kind"]
+    kv_heads = heads // case["gqa"]
     gen = torch.Generator(device=device).manual_seed(index)
-    shape_q, shape_kv = (batch, heads, case["lq"], d), (batch, heads // case["gqa"], case["lk"], d)
-    q = torch.randn(shape_q, device=device, dtype=dtype, generator=gen)
-    k = torch.randn(shape_kv, device=device, dtype=dtype, generator=gen)
-    v = torch.randn(shape_kv, device=device, dtype=dtype, generator=gen)
+
+    def randn(*shape):
+        return torch.randn(shape, device=device, dtype=dtype, generator=gen)
+
     sinks = torch.randn(heads, device=device, generator=gen) if case["sinks"] else None
+    options = dict(causal=case["causal"], window_size=case["window"], softcap=case["softcap"], sinks=sinks)
+    if kind in ("cache", "paged"):
+        return [r.cpu() for r in run_cache_case(fa, torch, case, randn, gen, kv_heads, options)]
+    if kind == "packed":
+        lengths_q, lengths_k = zip(*case["lengths"])
+        cu_q, cu_k = (torch.tensor((0, *lengths), device=device).cumsum(0).to(torch.int32)
+                      for lengths in (lengths_q, lengths_k))
+        q = randn(sum(lengths_q), heads, d)
+        k, v = randn(sum(lengths_k), kv_heads, d), randn(sum(lengths_k), kv_heads, d)
+
+        def attend(q, k, v):
+            return fa.flash_attn_varlen_with_lse(q, k, v, cu_q, cu_k, **options)
+    else:
+        batch = 2 if case["lq"] * case["lk"] < 4096 * 4096 else 1
+        q = randn(batch, heads, case["lq"], d)
+        k, v = randn(batch, kv_heads, case["lk"], d), randn(batch, kv_heads, case["lk"], d)
+
+        def attend(q, k, v):
+            return fa.flash_attn_with_lse(q, k, v, **options)
     inputs = [q, k, v] + ([sinks] if sinks is not None else [])
     if backward:
         for x in inputs:
             x.requires_grad_(True)
-    out, lse = fa.flash_attn_with_lse(q, k, v, causal=case["causal"], window_size=case["window"],
-                                      softcap=case["softcap"], sinks=sinks)
+    out, lse = attend(q, k, v)
     results = [out, lse]
     if backward:
-        dout = torch.randn(out.shape, device=device, dtype=dtype, generator=gen)
-        results += list(torch.autograd.grad(out, inputs, dout))
+        results += list(torch.autograd.grad(out, inputs, randn(*out.shape)))
     return [r.detach().cpu() for r in results]
+
+
+def run_cache_case(fa, torch, case, randn, gen, kv_heads, options):
+    """Three entries against a dense or paged cache, valid for 0 rows, a third of them and all but the one each appends
+    (where the case appends); returns out, lse and the caches (appended to)."""
+    device, d, rows, page = gen.device, case["head_dim"], case["rows"], case["page"]
+    appended = 1 if case["append"] else 0
+    seqlens = torch.tensor([0, rows // 3, rows - appended], device=device, dtype=torch.int32)
+    q = randn(3, 8, case["lq"], d)
+    k_new, v_new = (randn(3, kv_heads, 1, d), randn(3, kv_heads, 1, d)) if appended else (None, None)
+    if case["kind"] == "paged":  # the pages of all entries in a random order
+        num_pages = 3 * rows // page
+        table = torch.randperm(num_pages, device=device, generator=gen).to(torch.int32).view(3, rows // page)
+        k_cache, v_cache = randn(num_pages, kv_heads, page, d), randn(num_pages, kv_heads, page, d)
+    else:
+        table = None
+        k_cache, v_cache = randn(3, kv_heads, rows, d), randn(3, kv_heads, rows, d)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                          return_lse=True, **options)
+    return [out, lse, k_cache, v_cache]
 
 
 def run(out_path, head_dims, device, backward, quick):

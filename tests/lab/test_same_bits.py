@@ -18,7 +18,8 @@ def test_grid_covers_the_options_and_names_each_case(same_bits):
     assert {case["window"] for case in grid} == set(same_bits.WINDOWS)
     assert any(case["softcap"] for case in grid) and any(case["sinks"] for case in grid)
     assert any(case["dtype"] == "fp16" for case in grid) and {case["gqa"] for case in grid} == {1, 4}
-    assert max(case["lq"] for case in same_bits.cases([64], quick=True)) == 129
+    assert {case["kind"] for case in grid} == {"dense", "packed", "cache", "paged"}
+    assert max(case["lq"] for case in same_bits.cases([64], quick=True) if case["kind"] == "dense") == 129
 
 
 def test_compare_tells_bits_not_values(same_bits):
@@ -38,6 +39,9 @@ def test_a_run_on_the_cpu_path_repeats_its_bits(same_bits, tmp_path):
     same_bits.run(first, [64], "cpu", backward=True, quick=True)
     same_bits.run(second, [64], "cpu", backward=True, quick=True)
     a, b = torch.load(first), torch.load(second)
-    assert len(a) == len(same_bits.cases([64], quick=True))
-    assert len(a[0]) == 5  # out, lse, dq, dk, dv
+    grid = same_bits.cases([64], quick=True)
+    assert len(a) == len(grid)
+    kinds = [case["kind"] for case in grid]
+    assert len(a[kinds.index("dense")]) == len(a[kinds.index("packed")]) == 5  # out, lse, dq, dk, dv
+    assert len(a[kinds.index("paged")]) == 4  # out, lse and the caches
     assert same_bits.compare(a, b) == []
