@@ -118,7 +118,7 @@ def run_case(fa, torch, case, index, device, backward):
     sinks = torch.randn(heads, device=device, generator=gen) if case["sinks"] else None
     options = dict(causal=case["causal"], window_size=case["window"], softcap=case["softcap"], sinks=sinks)
     if kind in ("cache", "paged"):
-        return [r.cpu() for r in run_cache_case(fa, torch, case, randn, gen, kv_heads, options)]
+        return [r.cpu() for r in run_cache_case(fa, torch, case, randn, gen, heads, kv_heads, options)]
     if kind == "packed":
         lengths_q, lengths_k = zip(*case["lengths"])
         cu_q, cu_k = (torch.tensor((0, *lengths), device=device).cumsum(0).to(torch.int32)
@@ -146,13 +146,13 @@ def run_case(fa, torch, case, index, device, backward):
     return [r.detach().cpu() for r in results]
 
 
-def run_cache_case(fa, torch, case, randn, gen, kv_heads, options):
+def run_cache_case(fa, torch, case, randn, gen, heads, kv_heads, options):
     """Three entries against a dense or paged cache, valid for 0 rows, a third of them and all but the one each appends
     (where the case appends); returns out, lse and the caches (appended to)."""
     device, d, rows, page = gen.device, case["head_dim"], case["rows"], case["page"]
     appended = 1 if case["append"] else 0
     seqlens = torch.tensor([0, rows // 3, rows - appended], device=device, dtype=torch.int32)
-    q = randn(3, 8, case["lq"], d)
+    q = randn(3, heads, case["lq"], d)
     k_new, v_new = (randn(3, kv_heads, 1, d), randn(3, kv_heads, 1, d)) if appended else (None, None)
     if case["kind"] == "paged":  # the pages of all entries in a random order
         num_pages = 3 * rows // page
@@ -220,7 +220,7 @@ def main():
     parser.add_argument("--head-dims", default="128", help="comma list of head dims")
     parser.add_argument("--backward", action="store_true", help="the gradients too (deterministic)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--quick", action="store_true", help="lengths up to 129 only")
+    parser.add_argument("--quick", action="store_true", help="a grid of short lengths (the tool's own test)")
     parser.add_argument("--fwd-sm90", default="strict", help="FLASHATTN_FWD_SM90 for the runs (strict: Hopper only)")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per build")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"), help="where each build's outputs go")
