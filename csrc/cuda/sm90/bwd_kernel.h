@@ -35,9 +35,10 @@
 // cost outside the steps, with the wait for the first K and V).
 //
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges (each
-// warpgroup where they cut its own 64 keys; where a step sees none of them, only its dQ share with a zero dS); with
-// softcap it forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t
-// as fp16 pairs (fp32 spills at D64), then dS^T = P^T (dP^T - delta) (1 - t^2).
+// warpgroup where they cut its own 64 keys; where a step sees none of them, only its dQ share with a zero dS). Its
+// softcap kernel (kSoftcap, a kernel of its own: its registers made the window kernel spill, which then ran 9% slower)
+// forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t as fp16
+// pairs (fp32 spills at D64), then dS^T = P^T (dP^T - delta) (1 - t^2).
 #pragma once
 
 #include <cuda.h>
@@ -179,7 +180,7 @@ __device__ __forceinline__ void issue_transposed_times_block(float (&acc)[Traits
   }
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                           const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -189,6 +190,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
+  static_assert(kOptions || !kSoftcap, "softcap is an option");
 
   using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
   const int num_blocks = Block::num_blocks(p);
@@ -403,7 +405,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
           band_query_cols(key0, m_start + 2 * (lane % 4), left, right, len_q, len_k, first, last);
         };
-        if (p.softcap > 0.f) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
+        if constexpr (kSoftcap) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
           wgmma_wait<1>();
           wgmma_fence_registers(s);
           // 64 entries a thread (128-query steps): delta live across the tanh spills, so it is loaded after P^T
@@ -567,8 +569,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
 // file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched
 // nothing, when the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may
-// then use another backward). kOptions: windows and softcap. kSequences (with kOptions): packed sequences
-// (params.cu_seqlens_*; params.seq_maps, which the preparation fills first).
+// then use another backward). kOptions: windows and softcap (at D64 and D128 softcap > 0 takes the softcap kernel).
+// kSequences (with kOptions): packed sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills
+// first).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   static_assert(!kSequences || kOptions, "packed sequences run in the options variants");
@@ -594,11 +597,14 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
                          Traits::kDqRows)) {
     return cudaErrorNotSupported;
   }
-  const auto kernel = [] {
+  const auto kernel = [&params] {
     if constexpr (HeadDim == 256) {
       return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
+    } else if constexpr (kOptions) {
+      return params.softcap > 0.f ? flash_bwd_sm90_kernel<T, Traits, kCausal, true, kSequences, true>
+                                  : flash_bwd_sm90_kernel<T, Traits, kCausal, true, kSequences, false>;
     } else {
-      return flash_bwd_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
+      return flash_bwd_sm90_kernel<T, Traits, kCausal, false, kSequences, false>;
     }
   }();
   if (allow_dynamic_smem(kernel, kSmemBytes) != cudaSuccess) return cudaErrorNotSupported;
