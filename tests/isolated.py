@@ -11,7 +11,12 @@ from pathlib import Path
 
 import torch
 
+import flashattn_ext
+
 TESTS = Path(__file__).resolve().parent
+# The caller's extension (installed, built in place or found on PYTHONPATH) leads the child's path, so that both
+# processes run the same build: with the tree first, a build outside it met the tree's unbuilt package.
+PACKAGE_ROOT = Path(flashattn_ext.__file__).resolve().parent.parent
 
 
 def run_isolated(env, module, function, *args, timeout=600):
@@ -28,7 +33,7 @@ def run_isolated(env, module, function, *args, timeout=600):
             "if torch.cuda.is_available(): poison_free_cuda_memory()\n"
             f"torch.save(m.{function}(*torch.load({str(inputs)!r})), {str(outputs)!r})\n"
         )
-        paths = [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
+        paths = [str(TESTS), str(PACKAGE_ROOT), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
         full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **env)
         result = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
                                 timeout=timeout)
