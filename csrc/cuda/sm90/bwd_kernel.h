@@ -569,7 +569,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 // Launches the Hopper backward on `stream` (delta computed, dq_accum and tile_counter zeroed by the caller): this
 // file's kernel for head dims 64 and 128, bwd_split_kernel.h's for 256. Returns cudaErrorNotSupported, having launched
 // nothing, when the driver cannot encode the tensor maps for these strides or grant the shared memory (the caller may
-// then use another backward). kOptions: windows and softcap (at D64 and D128 softcap > 0 takes the softcap kernel).
+// then use another backward). kOptions: windows and softcap (softcap > 0 takes the softcap kernel).
 // kSequences (with kOptions): packed sequences (params.cu_seqlens_*; params.seq_maps, which the preparation fills
 // first).
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
@@ -598,8 +598,11 @@ cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
     return cudaErrorNotSupported;
   }
   const auto kernel = [&params] {
-    if constexpr (HeadDim == 256) {
-      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, kOptions, kSequences>;
+    if constexpr (HeadDim == 256 && kOptions) {
+      return params.softcap > 0.f ? flash_bwd_split_sm90_kernel<T, Traits, kCausal, true, kSequences, true>
+                                  : flash_bwd_split_sm90_kernel<T, Traits, kCausal, true, kSequences, false>;
+    } else if constexpr (HeadDim == 256) {
+      return flash_bwd_split_sm90_kernel<T, Traits, kCausal, false, kSequences, false>;
     } else if constexpr (kOptions) {
       return params.softcap > 0.f ? flash_bwd_sm90_kernel<T, Traits, kCausal, true, kSequences, true>
                                   : flash_bwd_sm90_kernel<T, Traits, kCausal, true, kSequences, false>;

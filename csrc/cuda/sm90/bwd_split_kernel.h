@@ -16,9 +16,10 @@
 // 256-thread named barriers per step: step start (lse/delta staged, the previous step's tiles free), P^T ready, dS^T
 // ready. 226 KB of shared memory.
 //
-// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges; with
-// softcap, warpgroup 1 forms t = tanh(scale * S^T / softcap), P^T = exp2(softcap * t * log2 e - lse), and passes
-// P^T (1 - t^2) as the fp32 P^T, so that warpgroup 2's dS^T = P^T (dP^T - delta) (1 - t^2) needs nothing more.
+// The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges. Its
+// softcap kernel (kSoftcap, a kernel of its own, as in bwd_kernel.h) has warpgroup 1 form t = tanh(scale * S^T /
+// softcap), P^T = exp2(softcap * t * log2 e - lse), and pass P^T (1 - t^2) as the fp32 P^T, so that warpgroup 2's
+// dS^T = P^T (dP^T - delta) (1 - t^2) needs nothing more.
 #pragma once
 
 #include <cuda.h>
@@ -147,7 +148,7 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Block& blo
   store_key_rows<T, Traits::kHeadDim, kRows, 256, Traits::kSubTileKV>(p, block, smem.v, true, 0, threadIdx.x - 128);
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_bwd_split_sm90_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
                                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap do_map,
@@ -156,6 +157,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHalf = Traits::kHalf;
+  static_assert(kOptions || !kSoftcap, "softcap is an option");
 
   using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
   const Block block(p, static_cast<int>(blockIdx.x));
@@ -244,9 +246,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const int left = Block::left(p), right = Block::right(p);
         const bool needs_mask =
             band_step_edges<kBlockM, kBlockN>(m_start, n_start, causal_shift, left, right, len_q, len_k) != 0;
-        const bool capped = p.softcap > 0.f;
-        const float cap_scale = capped ? p.scale / p.softcap : 0.f;
-        const float exp_scale = capped ? p.softcap * 1.4426950408889634f : p.scale_log2;
+        const float cap_scale = kSoftcap ? p.scale / p.softcap : 0.f;
+        const float exp_scale = kSoftcap ? p.softcap * 1.4426950408889634f : p.scale_log2;
         const auto probabilities = [&](auto masked) {
           int first[2], last[2];
           if constexpr (decltype(masked)::value) {
@@ -257,13 +258,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const int col = 8 * j + 2 * (lane % 4) + i % 2;
-              const float t = capped ? fast_tanh(acc[4 * j + i] * cap_scale) : acc[4 * j + i];
+              const float t = kSoftcap ? fast_tanh(acc[4 * j + i] * cap_scale) : acc[4 * j + i];
               float prob = fast_exp2(fmaf(t, exp_scale, -smem.lse_log2[col]));
               if constexpr (decltype(masked)::value) {
                 if (8 * j + i % 2 < first[i / 2] || 8 * j + i % 2 > last[i / 2]) prob = 0.f;
               }
               acc[4 * j + i] = prob;
-              smem.p_exact[(4 * j + i) * 128 + thread] = capped ? prob * (1.f - t * t) : prob;  // dS from fp32 P
+              smem.p_exact[(4 * j + i) * 128 + thread] = kSoftcap ? prob * (1.f - t * t) : prob;  // dS from fp32 P
             }
           }
         };
