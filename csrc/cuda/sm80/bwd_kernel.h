@@ -8,7 +8,8 @@
 //   dQ (this block's share) = dS K                      (dS^T staged in shared memory; fp32 atomics to dq_accum)
 // Working with S^T (keys as rows) makes P^T and dS^T the A operands of the dV/dK GEMMs straight from registers.
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges, and with
-// softcap recomputes t = tanh(scale * S / softcap) for P = exp(softcap * t - lse) and dS = P (dP - delta) (1 - t^2).
+// softcap (kSoftcap, a kernel of its own picked on the host, as in the forward) recomputes t = tanh(scale * S /
+// softcap) for P = exp(softcap * t - lse) and dS = P (dP - delta) (1 - t^2).
 // The sequences variant (kSequences) adds packed sequences to it, and with dQ semaphores adds each query block's dQ in
 // key-block order (deterministic).
 #pragma once
@@ -55,10 +56,11 @@ __device__ __forceinline__ int64_t dq_semaphore_index_of(const BwdParams& p, boo
   return (static_cast<int64_t>(batch) * p.heads + head) * num_q_blocks + q_block;
 }
 
-template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences>
+template <typename T, typename Traits, bool kCausal, bool kOptions, bool kSequences, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const __grid_constant__ BwdParams p) {
   static_assert(!(kCausal && kOptions), "the options variant carries causal in its band");
   static_assert(kOptions || !kSequences, "per-sequence lengths come with the options variant");
+  static_assert(kOptions || !kSoftcap, "softcap is an option");
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
@@ -205,8 +207,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
                               (right >= 0 && n_start + kBlockN - 1 > m_start + causal_shift + right) ||
                               (left >= 0 && n_start < m_start + kBlockM - 1 + causal_shift - left);
       // Softcap's factors, once a query block: formed per score, the division cost a MUFU.RCP each.
-      const bool softcap = kOptions && p.softcap > 0.f;
-      const float cap_scale = softcap ? p.scale / p.softcap : 0.f, cap_log2 = softcap ? p.softcap * kLog2e : 0.f;
+      const float cap_scale = kSoftcap ? p.scale / p.softcap : 0.f, cap_log2 = kSoftcap ? p.softcap * kLog2e : 0.f;
       uint32_t p_frag[kQTiles][2];
       uint32_t ds_frag[kQTiles][2];
 #pragma unroll
@@ -219,8 +220,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             const int i = 2 * half + c;
             const int query = qt * 8 + 2 * (lane % 4) + c;  // inside the query block
             float tanh_score = 0.f;
-            if (softcap) tanh_score = fast_tanh(acc_s[qt][i] * cap_scale);
-            float prob = softcap ? fast_exp2(fmaf(tanh_score, cap_log2, -s_lse[query]))
+            if constexpr (kSoftcap) tanh_score = fast_tanh(acc_s[qt][i] * cap_scale);
+            float prob = kSoftcap ? fast_exp2(fmaf(tanh_score, cap_log2, -s_lse[query]))
                                  : fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
             if (needs_mask) {
               const int key = n_start + key_row0 + lane / 4 + 8 * half;
@@ -232,7 +233,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             }
             pv[c] = prob;
             dsv[c] = prob * (acc_dp[qt][i] - s_delta[query]);
-            if (softcap) dsv[c] *= 1.f - tanh_score * tanh_score;
+            if constexpr (kSoftcap) dsv[c] *= 1.f - tanh_score * tanh_score;
           }
           p_frag[qt][half] = pack2<T>(pv[0], pv[1]);
           ds_frag[qt][half] = pack2<T>(dsv[0], dsv[1]);
@@ -345,7 +346,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
 template <typename T, int HeadDim, bool kCausal, bool kOptions, bool kSequences>
 cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream) {
   using Traits = BwdTraits<HeadDim>;
-  auto kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions, kSequences>;
+  auto kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions, kSequences, false>;
+  if constexpr (kOptions) {
+    if (params.softcap > 0.f) kernel = flash_bwd_kernel<T, Traits, kCausal, kOptions, kSequences, true>;
+  }
   constexpr int kSmemBytes = Traits::template smem_bytes<T>();
   if constexpr (kSmemBytes > 48 * 1024) {
     if (const cudaError_t err = allow_dynamic_smem(kernel, kSmemBytes); err != cudaSuccess) return err;
