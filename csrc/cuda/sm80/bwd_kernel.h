@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 2) flash_bwd_kernel(const _
             float tanh_score = 0.f;
             if constexpr (kSoftcap) tanh_score = fast_tanh(acc_s[qt][i] * cap_scale);
             float prob = kSoftcap ? fast_exp2(fmaf(tanh_score, cap_log2, -s_lse[query]))
-                                 : fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
+                                  : fast_exp2(fmaf(acc_s[qt][i], p.scale_log2, -s_lse[query]));
             if (needs_mask) {
               const int key = n_start + key_row0 + lane / 4 + 8 * half;
               const int diagonal = m_start + query + causal_shift;
