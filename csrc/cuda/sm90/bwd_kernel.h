@@ -37,8 +37,8 @@
 // The options variant (kOptions) walks only the query blocks of a sliding window's band and masks its edges (each
 // warpgroup where they cut its own 64 keys; where a step sees none of them, only its dQ share with a zero dS). Its
 // softcap kernel (kSoftcap, a kernel of its own: its registers made the window kernel spill, which then ran 9% slower)
-// forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, keeps t as fp16
-// pairs (fp32 spills at D64), then dS^T = P^T (dP^T - delta) (1 - t^2).
+// forms t = tanh(scale * S^T / softcap) and P^T = exp2(softcap * t * log2 e - lse) while dP^T runs, then dS^T =
+// P^T (dP^T - delta) (1 - t^2): at D128 with u = P^T (1 - t^2) formed beside P^T, at D64 from t kept as fp16 pairs.
 #pragma once
 
 #include <cuda.h>
@@ -191,6 +191,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages;
   static_assert(kOptions || !kSoftcap, "softcap is an option");
+  // Softcap at 64-query steps (D128): u = P^T (1 - t^2) and P^T's A operand formed with P^T, under dP^T, so that dS^T =
+  // u (dP^T - delta) is all that waits for dP^T (+4.8%). At 128-query steps (D64) that ran 20% slower: t is kept as
+  // fp16 pairs and dS^T = P^T (dP^T - delta) (1 - t^2) formed once dP^T lands.
+  constexpr bool kSoftcapFactorEarly = kSoftcap && kBlockM == 64;
 
   using Block = KeyBlock<Traits, kCausal, kOptions, kSequences>;
   const int num_blocks = Block::num_blocks(p);
@@ -379,6 +383,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       }
       float s[kBlockM / 2], dp[kBlockM / 2];
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       mbarrier_wait(&smem.q_full[stage], parity);
       issue_rows_times_block<T, Traits>(s, k_rows, smem.q_stage(stage));
       mbarrier_wait(&smem.do_full[stage], parity);
@@ -405,15 +410,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         const auto band_cols = [&](int (&first)[2], int (&last)[2]) {
           band_query_cols(key0, m_start + 2 * (lane % 4), left, right, len_q, len_k, first, last);
         };
-        if constexpr (kSoftcap) {  // t and P^T while dP^T is still running (t kept as fp16 pairs), then dS^T
+        if constexpr (kSoftcap) {  // t and P^T while dP^T is still running, then dS^T
           wgmma_wait<1>();
           wgmma_fence_registers(s);
-          // 64 entries a thread (128-query steps): delta live across the tanh spills, so it is loaded after P^T
-          // (D64 softcap backward 1.2-1.34x); at D128 the early load is faster (late: 0.87-0.94x).
-          constexpr bool kDeltaAfterP = kBlockM == 128;
-          if constexpr (!kDeltaAfterP) delta.load(smem.delta + stats_offset, lane);
           const float cap_scale = p.scale / p.softcap, cap_log2 = p.softcap * 1.4426950408889634f;
-          __half2 t[kBlockM / 4];
+          __half2 t_pairs[kSoftcapFactorEarly ? 1 : kBlockM / 4];
           // The mask inside the loop, in a copy of its own for edge steps: a separate pass after it keeps more
           // registers live, which spills at D64.
           const auto capped_probabilities = [&](auto masked) {
@@ -423,19 +424,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
             for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
-                float pair[2];
+                float t[2], prob[2];
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                   const int i = 2 * h + c, col = 8 * j + c;
-                  pair[c] = fast_tanh(s[4 * j + i] * cap_scale);
-                  const float prob = fast_exp2(fmaf(pair[c], cap_log2, -lse_log2.at(j, i)));
+                  t[c] = fast_tanh(s[4 * j + i] * cap_scale);
+                  prob[c] = fast_exp2(fmaf(t[c], cap_log2, -lse_log2.at(j, i)));
                   if constexpr (decltype(masked)::value) {
-                    s[4 * j + i] = col < first[h] || col > last[h] ? 0.f : prob;
-                  } else {
-                    s[4 * j + i] = prob;
+                    if (col < first[h] || col > last[h]) prob[c] = 0.f;
                   }
+                  s[4 * j + i] = kSoftcapFactorEarly ? prob[c] * fmaf(-t[c], t[c], 1.f) : prob[c];
                 }
-                t[2 * j + h] = __floats2half2_rn(pair[0], pair[1]);
+                if constexpr (kSoftcapFactorEarly) {
+                  p_frag[(2 * j + h) / 4][(2 * j + h) % 4] = pack2<T>(prob[0], prob[1]);  // pack_a's pair 2 j + h
+                } else {
+                  t_pairs[2 * j + h] = __floats2half2_rn(t[0], t[1]);
+                }
               }
             }
           };
@@ -444,19 +448,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           } else {
             capped_probabilities(std::false_type{});
           }
-          if constexpr (kDeltaAfterP) delta.load(smem.delta + stats_offset, lane);
+          // delta after P^T: live across the tanh, it spilled (D64 1.2-1.34x; D128 with u 1.1x).
+          delta.load(smem.delta + stats_offset, lane);
           wgmma_wait<0>();
           wgmma_fence_registers(dp);
+          // dS^T: s holds u (D128) or P^T (D64, times 1 - t^2 from t's pairs).
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const float2 pair = __half22float2(t[2 * j + h]);
+              const float2 pair = kSoftcapFactorEarly ? float2{} : __half22float2(t_pairs[2 * j + h]);
 #pragma unroll
               for (int c = 0; c < 2; ++c) {
                 const int i = 2 * h + c;
                 const float x = c == 0 ? pair.x : pair.y;
-                dp[4 * j + i] = s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i)) * (1.f - x * x);  // dS^T
+                dp[4 * j + i] = kSoftcapFactorEarly ? s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i))
+                                                    : s[4 * j + i] * (dp[4 * j + i] - delta.at(j, i)) * (1.f - x * x);
               }
             }
           }
@@ -491,8 +498,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // dS^T (or dS) to shared memory for dQ, before the dV/dK GEMMs so that the fp32 dS^T is dead while they run
       // (the wgmma async proxy reads what the threads wrote: fence, then ds_full below), once the other consumer's
       // dQ has read the buffer's last tile.
-      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-      pack_a<T, kBlockM>(p_frag, s);
+      if constexpr (!kSoftcapFactorEarly) pack_a<T, kBlockM>(p_frag, s);
       pack_a<T, kBlockM>(ds_frag, dp);
       if (g >= 2) mbarrier_wait(&smem.ds_empty[2 * (g % 2) + consumer], ((g / 2) - 1) & 1);
       if constexpr (Traits::kDqTransposed) {
