@@ -452,7 +452,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
           delta.load(smem.delta + stats_offset, lane);
           wgmma_wait<0>();
           wgmma_fence_registers(dp);
-          // dS^T: s holds u (D128) or P^T (D64, times 1 - t^2 from t's pairs).
+          // dS^T: s holds u (D128) or P^T (D64, times 1 - t^2 from t's pairs). Each arm one expression: with the
+          // product split in two statements ptxas spilled one more word at D64.
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
