@@ -421,6 +421,7 @@ class Row:
     grad_abs_diff: Optional[float] = None  # the largest of our dq, dk and dv errors (fwdbwd)
     diff_ref: Optional[str] = None
     diff_ok: Optional[bool] = None
+    diff_over: Optional[str] = None  # where diff_ok is False: each tensor past its bound, "dk 0.057 > 0.045"
 
     def tflops(self, impl: str, part: str = "") -> Optional[float]:
         """TFLOP/s of the mode's step, or of the backward alone with part="bwd"."""
@@ -533,13 +534,19 @@ def results_of(impl: str, q, k, v, causal: bool, dout: Optional[torch.Tensor]) -
     return [out.detach(), *torch.autograd.grad(out, leaves, dout.to(out.dtype))]
 
 
+CHECKED = ["out", "dq", "dk", "dv"]  # the tensors of results_of, in its order
+
+
 def within_rule(ours: List[torch.Tensor], truth: List[torch.Tensor], low: List[torch.Tensor],
-                dtype: torch.dtype) -> Tuple[List[float], bool]:
-    """Our max abs errors against `truth` (the reference path on upcast inputs), tensor by tensor, and whether each is
-    within ERROR_FACTOR times that path's own error in the input dtype (`low`) plus the floor."""
+                dtype: torch.dtype) -> Tuple[List[float], bool, str]:
+    """Our max abs errors against `truth` (the reference path on upcast inputs), tensor by tensor; whether each is
+    within ERROR_FACTOR times that path's own error in the input dtype (`low`) plus the floor; and those that are not,
+    each with its bound ("dk 0.057 > 0.045"; empty when all are within)."""
     errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
-    baselines = [(theirs.float() - want).abs().max().item() for theirs, want in zip(low, truth)]
-    return errors, all(e <= ERROR_FACTOR * b + ERROR_FLOOR[dtype] for e, b in zip(errors, baselines))
+    bounds = [ERROR_FACTOR * (theirs.float() - want).abs().max().item() + ERROR_FLOOR[dtype]
+              for theirs, want in zip(low, truth)]
+    over = "; ".join(f"{name} {e:.3g} > {b:.3g}" for name, e, b in zip(CHECKED, errors, bounds) if not e <= b)  # NaN too
+    return errors, not over, over
 
 
 def check_correctness(row: Row, q, k, v, with_grads: bool, math_budget_bytes: float) -> None:
@@ -568,7 +575,8 @@ def check_correctness(row: Row, q, k, v, with_grads: bool, math_budget_bytes: fl
         except Exception:
             release_cuda_memory(q.device.type)
             continue
-        errors, row.diff_ok = within_rule(ours, truth, low, q.dtype)
+        errors, row.diff_ok, over = within_rule(ours, truth, low, q.dtype)
+        row.diff_over = over or None
         row.diff_ref = f"{impl} {str(upcast).replace('torch.', '')}"
         row.max_abs_diff = errors[0]
         row.grad_abs_diff = max(errors[1:]) if with_grads else None
@@ -679,6 +687,7 @@ def row_record(row: Row, impls: List[str], backends: List[str], with_bwd: bool =
     record.update(max_abs_diff=significant(row.max_abs_diff, 3), diff_ref=row.diff_ref, diff_ok=row.diff_ok)
     if with_bwd:
         record["grad_abs_diff"] = significant(row.grad_abs_diff, 3)
+    record["diff_over"] = row.diff_over
     return record
 
 
@@ -868,7 +877,7 @@ def print_summary(rows: List[Row], backends: List[str], min_len: int, with_bwd: 
         if with_bwd:
             parts.append("bwd " + min_ratio(group, lambda r: r.ratio(r.best_sdpa(backends, "bwd"), "bwd")))
         print(f"  {dtype} D={head_dim:<3} causal={'on ' if causal else 'off'}  " + "   ".join(parts))
-    flagged = [r.config.label for r in rows if r.diff_ok is False]
+    flagged = [f"{r.config.label} ({r.diff_over})" for r in rows if r.diff_ok is False]
     print(f"Correctness: {len(flagged)} row(s) above tolerance" + (": " + "; ".join(flagged) if flagged else ""))
 
 

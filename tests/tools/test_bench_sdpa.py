@@ -216,3 +216,6 @@ def test_the_correctness_check_can_fail(bench, monkeypatch, bug):
         assert row.diff_ref == "math float64"
         caught = bug == "scale" or (bug == "gradient" and with_grads)
         assert row.diff_ok is (not caught), (bug, with_grads, row.max_abs_diff, row.grad_abs_diff)
+        named = [part.split()[0] for part in row.diff_over.split("; ")] if row.diff_over else []
+        assert ("out" in named) == (bug == "scale") and bool(named) == caught, row.diff_over
+        assert bug != "gradient" or named == (["dq", "dk", "dv"] if with_grads else []), row.diff_over

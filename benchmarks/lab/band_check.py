@@ -1,0 +1,146 @@
+"""A sliding window's output and gradients at a benchmark's shape, tensor by tensor, against an exact reference.
+
+The benchmark's check compares with FlexAttention in float32 and tells only whether a row passed. This one computes
+the band exactly (query blocks of `--chunk` rows against their keys only, float32 autograd, so L16k fits), reports
+each of out, dq, dk and dv with its largest error and where it lies, the same reference run in the input dtype (the
+low-precision error that FlashAttention's rule allows 3x of), whether repeated runs give the same bits, and with
+--flex FlexAttention's own errors against the same reference (float32 and the input dtype).
+
+    python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex]
+
+Defaults: the score-modification table's shape (B2 H16 D128 bf16, causal). --device cpu runs the CPU path (the
+tool's own test, at small shapes).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_sdpa  # noqa: E402
+from bench_sdpa import CHECKED, ERROR_FACTOR, ERROR_FLOOR  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def band(len_q: int, len_k: int, window: int, causal: bool, rows: range, device) -> torch.Tensor:
+    """Which keys the queries `rows` see (shift = len_k - len_q, left edge `window`, right edge 0 under causal)."""
+    shift = len_k - len_q
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None] + shift
+    j = torch.arange(len_k, device=device)[None]
+    seen = j >= i - window if window >= 0 else torch.ones_like(j >= i)
+    return seen & (j <= i) if causal else seen
+
+
+def reference(q, k, v, dout, window: int, causal: bool, dtype, chunk: int) -> List[torch.Tensor]:
+    """out, dq, dk, dv of softmax(q k^T scale) v over the band, in `dtype` (the scores and softmax in at least
+    float32), one query chunk at a time over the keys it can see."""
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    len_q, len_k = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5
+    out, dq, dk, dv = (torch.zeros_like(t) for t in (q, q, k, v))
+    for start in range(0, len_q, chunk):
+        rows = range(start, min(len_q, start + chunk))
+        seen = band(len_q, len_k, window, causal, rows, q.device)
+        cols = seen.any(0).nonzero()
+        if cols.numel() == 0:
+            continue
+        first, last = cols[0].item(), cols[-1].item() + 1
+        qc = q[:, :, rows.start:rows.stop].detach().requires_grad_()
+        kc, vc = (t[:, :, first:last].detach().requires_grad_() for t in (k, v))
+        scores = (qc @ kc.transpose(-1, -2)).to(torch.promote_types(dtype, torch.float32)) * scale
+        probs = scores.masked_fill(~seen[:, first:last], float("-inf")).softmax(-1).nan_to_num(0.0)
+        oc = probs.to(dtype) @ vc
+        oc.backward(dout[:, :, rows.start:rows.stop])
+        out[:, :, rows.start:rows.stop] = oc.detach()
+        dq[:, :, rows.start:rows.stop] += qc.grad
+        dk[:, :, first:last] += kc.grad
+        dv[:, :, first:last] += vc.grad
+    return [out, dq, dk, dv]
+
+
+def ours(q, k, v, dout, window: int, causal: bool) -> List[torch.Tensor]:
+    bench_sdpa.import_flashattn_ext()  # the package installed, else the one built in this checkout
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = bench_sdpa.flashattn_ext.flash_attn(*leaves, causal=causal, window_size=(window, 0 if causal else -1))
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def flex(q, k, v, dout, window: int, causal: bool, dtype) -> List[torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def visible(b, h, i, j):
+        shift = k.shape[2] - q.shape[2]
+        seen = j >= i + shift - window if window >= 0 else j >= 0
+        return seen & (j <= i + shift) if causal else seen
+
+    mask = create_block_mask(visible, None, None, q.shape[2], k.shape[2], device=q.device)
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = torch.compile(flex_attention)(*leaves, block_mask=mask)
+    out.backward(dout.to(dtype))
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def largest(mine: torch.Tensor, want: torch.Tensor) -> Dict[str, object]:
+    """The largest error of `mine` against `want` (NaN counts as the largest), where it lies and the two values."""
+    error = (mine.float() - want.float()).abs().nan_to_num(float("inf"))
+    at = tuple(torch.nonzero(error == error.max())[0].tolist())
+    return dict(error=error.max().item(), at=at, want=want[at].item(), got=mine[at].item())
+
+
+def check(args) -> Dict[str, object]:
+    """Every tensor's largest error against the float32 reference, the bound of FlashAttention's rule, and the bits
+    of the repeated runs; FlexAttention's errors with --flex."""
+    torch.manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+    shape = (args.batch, args.heads, args.length, args.head_dim)
+    q, k, v, dout = (torch.randn(shape, device=args.device, dtype=dtype) for _ in range(4))
+    causal = not args.no_causal
+    upcast = torch.float64 if dtype == torch.float32 else torch.float32
+    truth = reference(q, k, v, dout, args.window, causal, upcast, args.chunk)
+    low = reference(q, k, v, dout, args.window, causal, dtype, args.chunk)
+    runs = [ours(q, k, v, dout, args.window, causal) for _ in range(args.runs)]
+    report: Dict[str, object] = {}
+    for n, name in enumerate(CHECKED):
+        bound = ERROR_FACTOR * largest(low[n], truth[n])["error"] + ERROR_FLOOR[dtype]
+        worst = max((largest(run[n], truth[n]) for run in runs), key=lambda r: r["error"])
+        same = all(torch.equal(run[n], runs[0][n]) for run in runs[1:])
+        report[name] = dict(worst, bound=bound, ok=worst["error"] <= bound, same_bits=same)
+    if args.flex:
+        for flex_dtype in (upcast, dtype):
+            results = flex(q, k, v, dout, args.window, causal, flex_dtype)
+            for n, name in enumerate(CHECKED):
+                report[name][f"flex {str(flex_dtype).replace('torch.', '')}"] = largest(results[n], truth[n])["error"]
+    return report
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", type=int, default=16384, help="L_q = L_k")
+    parser.add_argument("--window", type=int, default=1024, help="the left edge (-1: none)")
+    parser.add_argument("--no-causal", action="store_true", help="no right edge")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--runs", type=int, default=3, help="our runs, compared bit by bit")
+    parser.add_argument("--chunk", type=int, default=1024, help="query rows per reference step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flex", action="store_true", help="FlexAttention's errors too (compiled; CUDA)")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    report = check(args)
+    for name, r in report.items():
+        extra = "".join(f", {key} {value:.3g}" for key, value in r.items() if key.startswith("flex"))
+        print(f"{name}: {'ok  ' if r['ok'] else 'OVER'} {r['error']:.3g} (bound {r['bound']:.3g}) at {r['at']}: "
+              f"want {r['want']:.5g} got {r['got']:.5g}; runs {'same bits' if r['same_bits'] else 'differ'}{extra}")
+    return 0 if all(r["ok"] for r in report.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

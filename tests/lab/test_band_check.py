@@ -1,0 +1,48 @@
+"""benchmarks/lab/band_check.py on the CPU: its chunked band reference, and a check that passes and one that fails."""
+import argparse
+
+import pytest
+import torch
+
+from scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def band_check():
+    return load_benchmark("band_check")
+
+
+@pytest.mark.parametrize("window,causal", [(5, True), (-1, True), (7, False), (0, True)])
+def test_chunked_reference_is_the_whole_masked_attention(band_check, window, causal):
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 33, 8, dtype=torch.float64) for _ in range(4))
+    got = band_check.reference(q, k, v, dout, window, causal, torch.float64, chunk=8)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    seen = band_check.band(33, 33, window, causal, range(0, 33), "cpu")
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2)) * 8**-0.5
+    out = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ leaves[2]
+    out.backward(dout)
+    for mine, want in zip(got, [out.detach(), *(t.grad for t in leaves)]):
+        torch.testing.assert_close(mine, want)
+
+
+def arguments(**overrides):
+    values = dict(length=65, window=16, no_causal=False, batch=1, heads=2, head_dim=32, dtype="bf16", runs=2, chunk=16,
+                  seed=0, flex=False, device="cpu")
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_our_cpu_path_passes_and_a_planted_gradient_error_fails(band_check, monkeypatch):
+    report = band_check.check(arguments())
+    assert list(report) == ["out", "dq", "dk", "dv"]
+    assert all(r["ok"] and r["same_bits"] for r in report.values()), report
+    real = band_check.ours
+
+    def off_by_five_percent(*args):
+        out, dq, dk, dv = real(*args)
+        return [out, dq, dk * 1.05, dv]
+
+    monkeypatch.setattr(band_check, "ours", off_by_five_percent)
+    report = band_check.check(arguments())
+    assert [name for name, r in report.items() if not r["ok"]] == ["dk"], report
