@@ -2,11 +2,12 @@
 
 The benchmark's check compares with FlexAttention in float32 and tells only whether a row passed. This one computes
 the band exactly (query blocks of `--chunk` rows against their keys only, float32 autograd, so L16k fits), reports
-each of out, dq, dk and dv with its largest error and where it lies, the same reference run in the input dtype (the
-low-precision error that FlashAttention's rule allows 3x of), whether repeated runs give the same bits, and with
---flex FlexAttention's own errors against the same reference (float32 and the input dtype).
+each of out, dq, dk, dv and the forward's lse with its largest error and where it lies, the same reference run in the
+input dtype (the low-precision error that FlashAttention's rule allows 3x of), whether repeated runs give the same bits,
+and with --flex FlexAttention's own errors against the same reference (float32 and the input dtype).
+--deterministic runs ours under deterministic algorithms (the ordered dQ).
 
-    python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex]
+    python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex] [--deterministic]
 
 Defaults: the score-modification table's shape (B2 H16 D128 bf16, causal). --device cpu runs the CPU path (the
 tool's own test, at small shapes).
@@ -25,6 +26,7 @@ import bench_sdpa  # noqa: E402
 from bench_sdpa import CHECKED, ERROR_FACTOR, ERROR_FLOOR  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TENSORS = [*CHECKED, "lse"]  # what reference() and ours() return, in order
 
 
 def band(len_q: int, len_k: int, window: int, causal: bool, rows: range, device) -> torch.Tensor:
@@ -38,11 +40,13 @@ def band(len_q: int, len_k: int, window: int, causal: bool, rows: range, device)
 
 def reference(q, k, v, dout, window: int, causal: bool, dtype, chunk: int) -> List[torch.Tensor]:
     """out, dq, dk, dv of softmax(q k^T scale) v over the band, in `dtype` (the scores and softmax in at least
-    float32), one query chunk at a time over the keys it can see."""
+    float32), and lse (the scores' logsumexp, -inf for a row without keys), one query chunk at a time over the keys
+    it can see."""
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     len_q, len_k = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5
     out, dq, dk, dv = (torch.zeros_like(t) for t in (q, q, k, v))
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.promote_types(dtype, torch.float32), device=q.device)
     for start in range(0, len_q, chunk):
         rows = range(start, min(len_q, start + chunk))
         seen = band(len_q, len_k, window, causal, rows, q.device)
@@ -53,22 +57,25 @@ def reference(q, k, v, dout, window: int, causal: bool, dtype, chunk: int) -> Li
         qc = q[:, :, rows.start:rows.stop].detach().requires_grad_()
         kc, vc = (t[:, :, first:last].detach().requires_grad_() for t in (k, v))
         scores = (qc @ kc.transpose(-1, -2)).to(torch.promote_types(dtype, torch.float32)) * scale
-        probs = scores.masked_fill(~seen[:, first:last], float("-inf")).softmax(-1).nan_to_num(0.0)
+        scores = scores.masked_fill(~seen[:, first:last], float("-inf"))
+        lse[:, :, rows.start:rows.stop] = scores.detach().logsumexp(-1)
+        probs = scores.softmax(-1).nan_to_num(0.0)
         oc = probs.to(dtype) @ vc
         oc.backward(dout[:, :, rows.start:rows.stop])
         out[:, :, rows.start:rows.stop] = oc.detach()
         dq[:, :, rows.start:rows.stop] += qc.grad
         dk[:, :, first:last] += kc.grad
         dv[:, :, first:last] += vc.grad
-    return [out, dq, dk, dv]
+    return [out, dq, dk, dv, lse]
 
 
 def ours(q, k, v, dout, window: int, causal: bool) -> List[torch.Tensor]:
     bench_sdpa.import_flashattn_ext()  # the package installed, else the one built in this checkout
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = bench_sdpa.flashattn_ext.flash_attn(*leaves, causal=causal, window_size=(window, 0 if causal else -1))
+    out, lse = bench_sdpa.flashattn_ext.flash_attn_with_lse(*leaves, causal=causal,
+                                                            window_size=(window, 0 if causal else -1))
     out.backward(dout)
-    return [out.detach(), *(t.grad for t in leaves)]
+    return [out.detach(), *(t.grad for t in leaves), lse.detach()]
 
 
 def flex(q, k, v, dout, window: int, causal: bool, dtype) -> List[torch.Tensor]:
@@ -87,8 +94,10 @@ def flex(q, k, v, dout, window: int, causal: bool, dtype) -> List[torch.Tensor]:
 
 
 def largest(mine: torch.Tensor, want: torch.Tensor) -> Dict[str, object]:
-    """The largest error of `mine` against `want` (NaN counts as the largest), where it lies and the two values."""
-    error = (mine.float() - want.float()).abs().nan_to_num(float("inf"))
+    """The largest error of `mine` against `want` (NaN counts as the largest, equal infinities as none), where it
+    lies and the two values."""
+    mine, want = mine.float(), want.float()
+    error = torch.where(mine == want, 0.0, (mine - want).abs().nan_to_num(float("inf")))
     at = tuple(torch.nonzero(error == error.max())[0].tolist())
     return dict(error=error.max().item(), at=at, want=want[at].item(), got=mine[at].item())
 
@@ -104,9 +113,14 @@ def check(args) -> Dict[str, object]:
     upcast = torch.float64 if dtype == torch.float32 else torch.float32
     truth = reference(q, k, v, dout, args.window, causal, upcast, args.chunk)
     low = reference(q, k, v, dout, args.window, causal, dtype, args.chunk)
-    runs = [ours(q, k, v, dout, args.window, causal) for _ in range(args.runs)]
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(before or args.deterministic)
+    try:
+        runs = [ours(q, k, v, dout, args.window, causal) for _ in range(args.runs)]
+    finally:
+        torch.use_deterministic_algorithms(before)
     report: Dict[str, object] = {}
-    for n, name in enumerate(CHECKED):
+    for n, name in enumerate(TENSORS):
         bound = ERROR_FACTOR * largest(low[n], truth[n])["error"] + ERROR_FLOOR[dtype]
         worst = max((largest(run[n], truth[n]) for run in runs), key=lambda r: r["error"])
         same = all(torch.equal(run[n], runs[0][n]) for run in runs[1:])
@@ -114,7 +128,7 @@ def check(args) -> Dict[str, object]:
     if args.flex:
         for flex_dtype in (upcast, dtype):
             results = flex(q, k, v, dout, args.window, causal, flex_dtype)
-            for n, name in enumerate(CHECKED):
+            for n, name in enumerate(CHECKED):  # no lse from Flex here
                 report[name][f"flex {str(flex_dtype).replace('torch.', '')}"] = largest(results[n], truth[n])["error"]
     return report
 
@@ -132,6 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--chunk", type=int, default=1024, help="query rows per reference step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--flex", action="store_true", help="FlexAttention's errors too (compiled; CUDA)")
+    parser.add_argument("--deterministic", action="store_true", help="ours under deterministic algorithms")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     report = check(args)

@@ -22,26 +22,30 @@ def test_chunked_reference_is_the_whole_masked_attention(band_check, window, cau
     scores = (leaves[0] @ leaves[1].transpose(-1, -2)) * 8**-0.5
     out = scores.masked_fill(~seen, float("-inf")).softmax(-1) @ leaves[2]
     out.backward(dout)
-    for mine, want in zip(got, [out.detach(), *(t.grad for t in leaves)]):
+    lse = scores.masked_fill(~seen, float("-inf")).logsumexp(-1)
+    for mine, want in zip(got, [out.detach(), *(t.grad for t in leaves), lse.detach()]):
         torch.testing.assert_close(mine, want)
 
 
 def arguments(**overrides):
     values = dict(length=65, window=16, no_causal=False, batch=1, heads=2, head_dim=32, dtype="bf16", runs=2, chunk=16,
-                  seed=0, flex=False, device="cpu")
+                  seed=0, flex=False, deterministic=False, device="cpu")
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
 def test_our_cpu_path_passes_and_a_planted_gradient_error_fails(band_check, monkeypatch):
+    before = torch.are_deterministic_algorithms_enabled()
+    report = band_check.check(arguments(window=-1, deterministic=True))
+    assert all(r["ok"] for r in report.values()) and torch.are_deterministic_algorithms_enabled() == before, report
     report = band_check.check(arguments())
-    assert list(report) == ["out", "dq", "dk", "dv"]
+    assert list(report) == ["out", "dq", "dk", "dv", "lse"]
     assert all(r["ok"] and r["same_bits"] for r in report.values()), report
     real = band_check.ours
 
     def off_by_five_percent(*args):
-        out, dq, dk, dv = real(*args)
-        return [out, dq, dk * 1.05, dv]
+        out, dq, dk, dv, lse = real(*args)
+        return [out, dq, dk * 1.05, dv, lse]
 
     monkeypatch.setattr(band_check, "ours", off_by_five_percent)
     report = band_check.check(arguments())
