@@ -23,9 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_sdpa  # noqa: E402
-from bench_sdpa import CHECKED, ERROR_FACTOR, ERROR_FLOOR  # noqa: E402
+from bench_sdpa import CHECKED, DTYPES, ERROR_FACTOR, ERROR_FLOOR, ScoreMods, results_of  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TENSORS = [*CHECKED, "lse"]  # what reference() and ours() return, in order
 
 
@@ -79,18 +78,13 @@ def ours(q, k, v, dout, window: int, causal: bool) -> List[torch.Tensor]:
 
 
 def flex(q, k, v, dout, window: int, causal: bool, dtype) -> List[torch.Tensor]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def visible(b, h, i, j):
-        shift = k.shape[2] - q.shape[2]
-        seen = j >= i + shift - window if window >= 0 else j >= 0
-        return seen & (j <= i + shift) if causal else seen
-
-    mask = create_block_mask(visible, None, None, q.shape[2], k.shape[2], device=q.device)
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out = torch.compile(flex_attention)(*leaves, block_mask=mask)
-    out.backward(dout.to(dtype))
-    return [out.detach(), *(t.grad for t in leaves)]
+    """out, dq, dk, dv of the benchmark's FlexAttention (its block mask for the band) on inputs cast to `dtype`."""
+    mods = bench_sdpa.MODS
+    bench_sdpa.MODS = ScoreMods(window=(window, -1))
+    try:
+        return results_of("flex", *(t.to(dtype) for t in (q, k, v)), causal, dout.to(dtype))
+    finally:
+        bench_sdpa.MODS = mods
 
 
 def largest(mine: torch.Tensor, want: torch.Tensor) -> Dict[str, object]:
