@@ -50,3 +50,4 @@ def test_our_cpu_path_passes_and_a_planted_gradient_error_fails(band_check, monk
     monkeypatch.setattr(band_check, "ours", off_by_five_percent)
     report = band_check.check(arguments())
     assert [name for name, r in report.items() if not r["ok"]] == ["dk"], report
+    assert report["dk"]["past"] > 0 and report["dq"]["past"] == 0 and report["dk"]["span"][1] < 65, report
