@@ -5,9 +5,11 @@ the band exactly (query blocks of `--chunk` rows against their keys only, float3
 each of out, dq, dk, dv and the forward's lse with its largest error and where it lies, the same reference run in the
 input dtype (the low-precision error that FlashAttention's rule allows 3x of), whether repeated runs give the same bits,
 and with --flex FlexAttention's own errors against the same reference (float32 and the input dtype).
---deterministic runs ours under deterministic algorithms (the ordered dQ).
+--deterministic runs ours under deterministic algorithms (the ordered dQ). --poison G fills G GiB of the caching
+allocator's free memory with NaN bytes before each of our runs, so that a buffer a kernel reads before writing shows
+at this shape (the test suite poisons 512 MiB, less than one of these tensors).
 
-    python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex] [--deterministic]
+    python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex] [--deterministic] [--poison 8]
 
 Defaults: the score-modification table's shape (B2 H16 D128 bf16, causal). --device cpu runs the CPU path (the
 tool's own test, at small shapes).
@@ -68,8 +70,19 @@ def reference(q, k, v, dout, window: int, causal: bool, dtype, chunk: int) -> Li
     return [out, dq, dk, dv, lse]
 
 
-def ours(q, k, v, dout, window: int, causal: bool) -> List[torch.Tensor]:
+def poison_free_memory(gib: float) -> None:
+    """The caching allocator's cached blocks back to the driver, then a 32 MiB small-block pool and a `gib` GiB block
+    filled with 0xFF bytes (NaN in bf16, fp16 and fp32) and freed: what is allocated next starts as NaN."""
+    torch.cuda.empty_cache()
+    blocks = [torch.full((2**20,), 255, dtype=torch.uint8, device="cuda") for _ in range(32)]
+    blocks.append(torch.full((int(gib * 2**30),), 255, dtype=torch.uint8, device="cuda"))
+    del blocks
+
+
+def ours(q, k, v, dout, window: int, causal: bool, poison: float = 0.0) -> List[torch.Tensor]:
     bench_sdpa.import_flashattn_ext()  # the package installed, else the one built in this checkout
+    if poison > 0:
+        poison_free_memory(poison)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = bench_sdpa.flashattn_ext.flash_attn_with_lse(*leaves, causal=causal,
                                                             window_size=(window, 0 if causal else -1))
@@ -113,7 +126,7 @@ def check(args) -> Dict[str, object]:
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(before or args.deterministic)
     try:
-        runs = [ours(q, k, v, dout, args.window, causal) for _ in range(args.runs)]
+        runs = [ours(q, k, v, dout, args.window, causal, args.poison) for _ in range(args.runs)]
     finally:
         torch.use_deterministic_algorithms(before)
     report: Dict[str, object] = {}
@@ -145,8 +158,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--flex", action="store_true", help="FlexAttention's errors too (compiled; CUDA)")
     parser.add_argument("--deterministic", action="store_true", help="ours under deterministic algorithms")
+    parser.add_argument("--poison", type=float, default=0.0, metavar="GIB",
+                        help="NaN-fill this much free CUDA memory before each of our runs")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
+    if args.poison > 0 and not args.device.startswith("cuda"):
+        parser.error("--poison fills CUDA memory: it needs --device cuda")
     report = check(args)
     for name, r in report.items():
         flex_runs = [(key, value) for key, value in r.items() if key.startswith("flex")]

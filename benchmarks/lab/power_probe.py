@@ -3,6 +3,7 @@ and the clock event reasons: at what clock each kernel runs once the card settle
 
     python benchmarks/lab/power_probe.py                        # default shapes, 3 s each
     python benchmarks/lab/power_probe.py 128:nc:8192 256:c:4096 --seconds 5
+    python benchmarks/lab/power_probe.py 128:c:16384 --softcap 30   # our forward with softcap too
 
 A shape is D:nc|c:L with B = 16384 // L and H = 2048 // D, as in bench_sdpa.py's grid. For each run it prints the
 TFLOP/s over the second half of the run and over its first 50 calls, and the medians of the samples taken after the
@@ -91,6 +92,7 @@ def main():
     parser.add_argument("shapes", nargs="*", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES],
                         help="D:nc|c:L (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each run")
+    parser.add_argument("--softcap", type=float, default=0.0, help="also run our forward with this softcap")
     args = parser.parse_args()
 
     import torch
@@ -112,6 +114,9 @@ def main():
         tag = f"D{head_dim} {'c ' if causal else 'nc'} L{length}"
         ours = sustained_run(lambda: flashattn_ext.flash_attn(q, k, v, causal), flops, args.seconds, field)
         print(tag, "ours ", ours, flush=True)
+        if args.softcap > 0:
+            capped = lambda: flashattn_ext.flash_attn(q, k, v, causal, softcap=args.softcap)
+            print(tag, f"ours softcap {args.softcap:g}", sustained_run(capped, flops, args.seconds, field), flush=True)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             print(tag, "cudnn", sustained_run(run, flops, args.seconds, field), flush=True)

@@ -29,7 +29,7 @@ def test_chunked_reference_is_the_whole_masked_attention(band_check, window, cau
 
 def arguments(**overrides):
     values = dict(length=65, window=16, no_causal=False, batch=1, heads=2, head_dim=32, dtype="bf16", runs=2, chunk=16,
-                  seed=0, flex=False, deterministic=False, device="cpu")
+                  seed=0, flex=False, deterministic=False, poison=0.0, device="cpu")
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -51,3 +51,23 @@ def test_our_cpu_path_passes_and_a_planted_gradient_error_fails(band_check, monk
     report = band_check.check(arguments())
     assert [name for name, r in report.items() if not r["ok"]] == ["dk"], report
     assert report["dk"]["past"] > 0 and report["dq"]["past"] == 0 and report["dk"]["span"][1] < 65, report
+
+
+def test_poison_needs_cuda(band_check):
+    with pytest.raises(SystemExit):
+        band_check.main(["--device", "cpu", "--poison", "1"])
+
+
+@pytest.mark.cuda
+def test_poisoned_memory_shows_a_gradient_left_unwritten(band_check, monkeypatch):
+    report = band_check.check(arguments(device="cuda", head_dim=64, poison=0.25))
+    assert all(r["ok"] and r["same_bits"] for r in report.values()), report
+    real = band_check.ours
+
+    def unwritten_dk(*args):
+        out, dq, dk, dv, lse = real(*args)
+        return [out, dq, torch.empty_like(dk), dv, lse]  # carved from the poisoned block
+
+    monkeypatch.setattr(band_check, "ours", unwritten_dk)
+    report = band_check.check(arguments(device="cuda", head_dim=64, poison=0.25))
+    assert [name for name, r in report.items() if not r["ok"]] == ["dk"], report
