@@ -60,7 +60,7 @@ def test_poison_needs_cuda(band_check):
 
 @pytest.mark.cuda
 def test_poisoned_memory_shows_a_gradient_left_unwritten(band_check, monkeypatch):
-    report = band_check.check(arguments(device="cuda", head_dim=64, poison=0.25))
+    report = band_check.check(arguments(device="cuda", head_dim=128, poison=0.25))
     assert all(r["ok"] and r["same_bits"] for r in report.values()), report
     real = band_check.ours
 
@@ -69,5 +69,5 @@ def test_poisoned_memory_shows_a_gradient_left_unwritten(band_check, monkeypatch
         return [out, dq, torch.empty_like(dk), dv, lse]  # carved from the poisoned block
 
     monkeypatch.setattr(band_check, "ours", unwritten_dk)
-    report = band_check.check(arguments(device="cuda", head_dim=64, poison=0.25))
+    report = band_check.check(arguments(device="cuda", head_dim=128, poison=0.25))
     assert [name for name, r in report.items() if not r["ok"]] == ["dk"], report
