@@ -7,7 +7,7 @@ input dtype (the low-precision error that FlashAttention's rule allows 3x of), w
 and with --flex FlexAttention's own errors against the same reference (float32 and the input dtype).
 --deterministic runs ours under deterministic algorithms (the ordered dQ). --poison G fills G GiB of the caching
 allocator's free memory with NaN bytes before each of our runs, so that a buffer a kernel reads before writing shows
-at this shape (the test suite poisons 512 MiB, less than one of these tensors).
+at this shape (the test suite poisons 512 MiB, enough for its small shapes; a call here allocates 1.1 GiB).
 
     python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex] [--deterministic] [--poison 8]
 
