@@ -85,6 +85,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ERROR_FACTOR = 3.0
 ERROR_FLOOR = {torch.bfloat16: 1e-3, torch.float16: 1e-4, torch.float32: 1e-5}
 
+
+def error_bound(reference_error: float, dtype: torch.dtype) -> float:
+    """The largest error the rule allows us, given the reference path's own error in `dtype`."""
+    return ERROR_FACTOR * reference_error + ERROR_FLOOR[dtype]
+
 # Defaults of the two variants; --quick replaces the grid entries with its own.
 GPU_DEFAULTS = dict(
     dtypes="bf16", head_dims="64,128,256", lengths="512,1024,2048,4096,8192,16384", tokens=16384, hidden=2048,
@@ -543,8 +548,7 @@ def within_rule(ours: List[torch.Tensor], truth: List[torch.Tensor], low: List[t
     within ERROR_FACTOR times that path's own error in the input dtype (`low`) plus the floor; and those that are not,
     each with its bound ("dk 0.057 > 0.045"; empty when all are within)."""
     errors = [(mine.float() - want).abs().max().item() for mine, want in zip(ours, truth)]
-    bounds = [ERROR_FACTOR * (theirs.float() - want).abs().max().item() + ERROR_FLOOR[dtype]
-              for theirs, want in zip(low, truth)]
+    bounds = [error_bound((theirs.float() - want).abs().max().item(), dtype) for theirs, want in zip(low, truth)]
     over = "; ".join(f"{name} {e:.3g} > {b:.3g}" for name, e, b in zip(CHECKED, errors, bounds) if not e <= b)  # NaN too
     return errors, not over, over
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_sdpa  # noqa: E402
-from bench_sdpa import CHECKED, DTYPES, ERROR_FACTOR, ERROR_FLOOR, ScoreMods, results_of  # noqa: E402
+from bench_sdpa import CHECKED, DTYPES, ScoreMods, error_bound, results_of  # noqa: E402
 
 TENSORS = [*CHECKED, "lse"]  # what reference() and ours() return, in order
 
@@ -131,7 +131,7 @@ def check(args) -> Dict[str, object]:
         torch.use_deterministic_algorithms(before)
     report: Dict[str, object] = {}
     for n, name in enumerate(TENSORS):
-        bound = ERROR_FACTOR * largest(low[n], truth[n])["error"] + ERROR_FLOOR[dtype]
+        bound = error_bound(largest(low[n], truth[n])["error"], dtype)
         worst = max((largest(run[n], truth[n], bound) for run in runs), key=lambda r: r["error"])
         same = all(torch.equal(run[n], runs[0][n]) for run in runs[1:])
         report[name] = dict(worst, bound=bound, ok=worst["error"] <= bound, same_bits=same)
