@@ -4,7 +4,10 @@ The benchmark's check compares with FlexAttention in float32 and tells only whet
 the band exactly (query blocks of `--chunk` rows against their keys only, float32 autograd, so L16k fits), reports
 each of out, dq, dk, dv and the forward's lse with its largest error and where it lies, the same reference run in the
 input dtype (the low-precision error that FlashAttention's rule allows 3x of), whether repeated runs give the same bits,
-and with --flex FlexAttention's own errors against the same reference (float32 and the input dtype).
+and with --flex FlexAttention's own errors against the same reference (float32 and the input dtype). Each line ends with
+a digest of that tensor's bits (first run) and the report with one of the inputs', so two GPUs' runs of the same
+build and seed compare bit for bit without a reference (dq under --deterministic only: its default reduction order
+varies).
 --deterministic runs ours under deterministic algorithms (the ordered dQ). --poison G fills G GiB of the caching
 allocator's free memory with NaN bytes before each of our runs, so that a buffer a kernel reads before writing shows
 at this shape (the test suite poisons 512 MiB, enough for its small shapes; a call here allocates 1.1 GiB).
@@ -17,6 +20,7 @@ tool's own test, at small shapes).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -112,13 +116,26 @@ def largest(mine: torch.Tensor, want: torch.Tensor, bound: float = float("inf"))
     return dict(error=error.max().item(), at=at, want=want[at].item(), got=mine[at].item(), past=len(past), span=span)
 
 
+def digest(*tensors: torch.Tensor) -> str:
+    """The first 12 hex digits of the SHA-256 of the tensors' bytes, in order."""
+    hashed = hashlib.sha256()
+    for t in tensors:
+        hashed.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return hashed.hexdigest()[:12]
+
+
+def inputs(args) -> List[torch.Tensor]:
+    """q, k, v and dout of the seed: the same values on any GPU of one PyTorch (its Philox generator)."""
+    torch.manual_seed(args.seed)
+    shape = (args.batch, args.heads, args.length, args.head_dim)
+    return [torch.randn(shape, device=args.device, dtype=DTYPES[args.dtype]) for _ in range(4)]
+
+
 def check(args) -> Dict[str, object]:
     """Every tensor's largest error against the float32 reference, the bound of FlashAttention's rule, and the bits
     of the repeated runs; FlexAttention's errors with --flex."""
-    torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
-    shape = (args.batch, args.heads, args.length, args.head_dim)
-    q, k, v, dout = (torch.randn(shape, device=args.device, dtype=dtype) for _ in range(4))
+    q, k, v, dout = inputs(args)
     causal = not args.no_causal
     upcast = torch.float64 if dtype == torch.float32 else torch.float32
     truth = reference(q, k, v, dout, args.window, causal, upcast, args.chunk)
@@ -134,7 +151,7 @@ def check(args) -> Dict[str, object]:
         bound = error_bound(largest(low[n], truth[n])["error"], dtype)
         worst = max((largest(run[n], truth[n], bound) for run in runs), key=lambda r: r["error"])
         same = all(torch.equal(run[n], runs[0][n]) for run in runs[1:])
-        report[name] = dict(worst, bound=bound, ok=worst["error"] <= bound, same_bits=same)
+        report[name] = dict(worst, bound=bound, ok=worst["error"] <= bound, same_bits=same, digest=digest(runs[0][n]))
     if args.flex:
         for flex_dtype in (upcast, dtype):
             results = flex(q, k, v, dout, args.window, causal, flex_dtype)
@@ -164,13 +181,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.poison > 0 and not args.device.startswith("cuda"):
         parser.error("--poison fills CUDA memory: it needs --device cuda")
+    print(f"inputs (q, k, v, dout): bits {digest(*inputs(args))}")
     report = check(args)
     for name, r in report.items():
         flex_runs = [(key, value) for key, value in r.items() if key.startswith("flex")]
         extra = "".join(f", {key} {error:.3g} ({past} past)" for key, (error, past) in flex_runs)
         print(f"{name}: {'ok  ' if r['ok'] else 'OVER'} {r['error']:.3g} (bound {r['bound']:.3g}) at {r['at']}: "
               f"want {r['want']:.5g} got {r['got']:.5g}; runs {'same bits' if r['same_bits'] else 'differ'}{extra}"
-              + (f"; {r['past']} past the bound at positions {r['span'][0]}..{r['span'][1]}" if r["past"] else ""))
+              + (f"; {r['past']} past the bound at positions {r['span'][0]}..{r['span'][1]}" if r["past"] else "")
+              + f"; bits {r['digest']}")
     return 0 if all(r["ok"] for r in report.values()) else 1
 
 

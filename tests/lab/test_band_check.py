@@ -53,6 +53,26 @@ def test_our_cpu_path_passes_and_a_planted_gradient_error_fails(band_check, monk
     assert report["dk"]["past"] > 0 and report["dq"]["past"] == 0 and report["dk"]["span"][1] < 65, report
 
 
+def test_digests_tell_bits_apart(band_check):
+    torch.manual_seed(0)
+    t = torch.randn(3, 5, dtype=torch.bfloat16)
+    bumped = t.clone()
+    bumped.view(torch.int16)[1, 2] += 1  # one unit in the last place
+    assert band_check.digest(t) == band_check.digest(t.clone().t().contiguous().t())
+    assert len({band_check.digest(t), band_check.digest(bumped), band_check.digest(t, t)}) == 3
+
+
+def test_report_lines_carry_the_digests(band_check, capsys):
+    argv = ["--device", "cpu", "--length", "33", "--window", "8", "--batch", "1", "--heads", "2", "--head-dim", "32",
+            "--runs", "1", "--chunk", "16"]
+    assert band_check.main(argv) == 0
+    first = capsys.readouterr().out.splitlines()
+    assert band_check.main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == first  # the same bits, the same report
+    assert first[0].startswith("inputs (q, k, v, dout): bits ") and len(first) == 6
+    assert all(line.split("; bits ")[1].isalnum() for line in first[1:]), first
+
+
 def test_poison_needs_cuda(band_check):
     with pytest.raises(SystemExit):
         band_check.main(["--device", "cpu", "--poison", "1"])
