@@ -125,7 +125,8 @@ def digest(*tensors: torch.Tensor) -> str:
 
 
 def inputs(args) -> List[torch.Tensor]:
-    """q, k, v and dout of the seed: the same values on any GPU of one PyTorch (its Philox generator)."""
+    """q, k, v and dout of the seed (on CUDA the same values where PyTorch and the SM count are the same: the
+    generator's grid follows the SM count; the inputs' digest shows it)."""
     torch.manual_seed(args.seed)
     shape = (args.batch, args.heads, args.length, args.head_dim)
     return [torch.randn(shape, device=args.device, dtype=DTYPES[args.dtype]) for _ in range(4)]
