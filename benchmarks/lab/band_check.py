@@ -5,7 +5,7 @@ the band exactly (query blocks of `--chunk` rows against their keys only, float3
 each of out, dq, dk, dv and the forward's lse with its largest error and where it lies, the same reference run in the
 input dtype (the low-precision error that FlashAttention's rule allows 3x of), whether repeated runs give the same bits,
 and with --flex FlexAttention's own errors against the same reference (float32 and the input dtype). Each line ends with
-a digest of that tensor's bits (first run) and the report with one of the inputs', so two GPUs' runs of the same
+a digest of that tensor's bits (first run), and the report opens with the inputs', so two GPUs' runs of the same
 build and seed compare bit for bit without a reference (dq under --deterministic only: its default reduction order
 varies).
 --deterministic runs ours under deterministic algorithms (the ordered dQ). --poison G fills G GiB of the caching
