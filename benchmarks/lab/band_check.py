@@ -120,7 +120,7 @@ def digest(*tensors: torch.Tensor) -> str:
     """The first 12 hex digits of the SHA-256 of the tensors' bytes, in order."""
     hashed = hashlib.sha256()
     for t in tensors:
-        hashed.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        hashed.update(t.detach().contiguous().cpu().view(torch.uint8).numpy())  # the buffer itself, no bytes copy
     return hashed.hexdigest()[:12]
 
 
