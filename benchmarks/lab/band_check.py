@@ -132,11 +132,11 @@ def inputs(args) -> List[torch.Tensor]:
     return [torch.randn(shape, device=args.device, dtype=DTYPES[args.dtype]) for _ in range(4)]
 
 
-def check(args) -> Dict[str, object]:
+def check(args, drawn: Optional[List[torch.Tensor]] = None) -> Dict[str, object]:
     """Every tensor's largest error against the float32 reference, the bound of FlashAttention's rule, and the bits
-    of the repeated runs; FlexAttention's errors with --flex."""
+    of the repeated runs; FlexAttention's errors with --flex. `drawn`: the seed's inputs, where the caller has them."""
     dtype = DTYPES[args.dtype]
-    q, k, v, dout = inputs(args)
+    q, k, v, dout = drawn if drawn is not None else inputs(args)
     causal = not args.no_causal
     upcast = torch.float64 if dtype == torch.float32 else torch.float32
     truth = reference(q, k, v, dout, args.window, causal, upcast, args.chunk)
@@ -182,8 +182,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.poison > 0 and not args.device.startswith("cuda"):
         parser.error("--poison fills CUDA memory: it needs --device cuda")
-    print(f"inputs (q, k, v, dout): bits {digest(*inputs(args))}")
-    report = check(args)
+    drawn = inputs(args)
+    print(f"inputs (q, k, v, dout): bits {digest(*drawn)}")
+    report = check(args, drawn)
     for name, r in report.items():
         flex_runs = [(key, value) for key, value in r.items() if key.startswith("flex")]
         extra = "".join(f", {key} {error:.3g} ({past} past)" for key, (error, past) in flex_runs)
