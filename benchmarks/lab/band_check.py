@@ -11,6 +11,9 @@ varies).
 --deterministic runs ours under deterministic algorithms (the ordered dQ). --poison G fills G GiB of the caching
 allocator's free memory with NaN bytes before each of our runs, so that a buffer a kernel reads before writing shows
 at this shape (the test suite poisons 512 MiB, enough for its small shapes; a call here allocates 1.1 GiB).
+A lab build from bwd_jitter.patch (`git apply`, build, revert before any commit) sleeps for random spans, up to ~4 us,
+at the Hopper backward's handoffs (the producer's loads, each consumer step, the dS stores, the dQ writer, the end of
+a key block): its digests equal to the plain build's say the result does not depend on the roles' timing.
 
     python benchmarks/lab/band_check.py --length 16384 --window 1024 [--runs 3] [--flex] [--deterministic] [--poison 8]
 
