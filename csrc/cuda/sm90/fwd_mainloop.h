@@ -503,7 +503,10 @@ struct FwdConsumer {
         if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
       Mask::cols(n_start, tile.m_start, row_in_block0, causal_shift, tile.len_k(p), lane, p, first_col, last_col);
-      cap(s);
+      // Softcap on a block without masks (Traits::kCappedPass): the tanh inside the exponentials' pass; else before
+      // the mask. Locked, softcap 30 D128: +6-8%.
+      const bool capped_pass = Traits::kCappedPass && kOptimisticExp && softcapped(p) && edges(n_start) == 0;
+      if (!capped_pass) cap(s);
       // Then wait for P[n-1] V[n-1]: O and the P registers are free again.
       const auto wait_pv = [&] {
         wgmma_wait<0>();
@@ -513,8 +516,10 @@ struct FwdConsumer {
       bool moved;
       if constexpr (kOptimisticExp) {
         float block_sum[2];
-        const bool fits = softmax.template exp_against_reference<kBand>(s, scale_log2, negate, edges(n_start),
-                                                                        first_col, last_col, block_sum);
+        const bool fits = capped_pass ? softmax.capped_exp_against_reference(s, p.scale / p.softcap, scale_log2,
+                                                                             block_sum)
+                                      : softmax.template exp_against_reference<kBand>(
+                                            s, scale_log2, negate, edges(n_start), first_col, last_col, block_sum);
         moved = !fixed_reference && !warpgroup_all(fits, Barrier::vote(consumer));
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];

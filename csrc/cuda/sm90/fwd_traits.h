@@ -73,6 +73,9 @@ struct FwdTraits {
       HeadDim == 128 && BlockN == 128 ? QOperand::kRegisters : QOperand::kSharedMemory;
   // The lazy rescale where the optimistic exponentials' recompute would spill (D256).
   static constexpr ExpPolicy kExp = HeadDim != 256 ? ExpPolicy::kOptimistic : ExpPolicy::kLazyRescale;
+  // Softcap's tanh inside the exponentials' pass (fwd_mainloop.h), in the tile that D128 takes under softcap only
+  // (tile_size.h). Elsewhere the softcapped path's registers spilled in the window kernels (D128 144 B, was 48 B).
+  static constexpr bool kCappedPass = Options && HeadDim == 128 && Consumers == 3;
 
   // Under a causal mask a consumer stops after the last key block its 64 rows see (and only takes its turns and
   // releases the stages of the tile's later blocks). Where blocks are as tall as the tile every consumer sees part of

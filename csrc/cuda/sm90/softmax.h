@@ -94,10 +94,40 @@ struct RowSoftmax {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       block_sum[h] = exp_row(s, h, scale_log2, softmax_base_log2(row_max[h], scale_log2));
-      // Bitwise, not short-circuit: no branches in the key loop.
-      fits &= !(block_sum[h] >= kOptimisticSumLimit) & (block_sum[h] == 0.f | row_max[h] != -INFINITY);
+      fits &= sum_fits(block_sum[h], row_max[h]);
     }
     return fits;
+  }
+
+  // The same for softcapped scores of a block without masks, s still raw: s becomes exp2(tanh(s * cap_scale) *
+  // scale_log2 - reference), the operations of the tanh pass and exp_row in their order (the same bits) in one pass,
+  // so that the tanh and exp2 MUFU streams interleave with the rest of the softmax (as two passes, each MUFU stream
+  // queued up alone).
+  __device__ __forceinline__ bool capped_exp_against_reference(float (&s)[kBlockN / 2], float cap_scale,
+                                                               float scale_log2, float (&block_sum)[2]) const {
+    bool fits = true;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float base = softmax_base_log2(row_max[h], scale_log2);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& x = s[4 * j + 2 * h + c];
+          x = fast_exp2(fmaf(fast_tanh(x * cap_scale), scale_log2, -base));
+          sum += x;
+        }
+      }
+      block_sum[h] = sum;
+      fits &= sum_fits(sum, row_max[h]);
+    }
+    return fits;
+  }
+
+  // A row's block sum stands against its reference. Bitwise, not short-circuit: no branches in the key loop.
+  __device__ __forceinline__ static bool sum_fits(float block_sum, float reference) {
+    return !(block_sum >= kOptimisticSumLimit) & (block_sum == 0.f | reference != -INFINITY);
   }
 
   // s becomes exp2(s * scale_log2 - the rows' new reference), the running max and sum are updated, and rescale gets
