@@ -66,15 +66,18 @@ struct RowSoftmax {
     }
   }
 
-  // Row h's entries of s become exp2(s * scale_log2 - base); returns their sum.
-  __device__ __forceinline__ static float exp_row(float (&s)[kBlockN / 2], int h, float scale_log2, float base) {
+  // Row h's entries of s become exp2(s * scale_log2 - base), with kCapped exp2(tanh(s * cap_scale) * scale_log2 - base)
+  // (softcap's tanh in the same pass); returns their sum.
+  template <bool kCapped = false>
+  __device__ __forceinline__ static float exp_row(float (&s)[kBlockN / 2], int h, float scale_log2, float base,
+                                                  float cap_scale = 0.f) {
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         float& x = s[4 * j + 2 * h + c];
-        x = fast_exp2(fmaf(x, scale_log2, -base));
+        x = fast_exp2(fmaf(kCapped ? fast_tanh(x * cap_scale) : x, scale_log2, -base));
         sum += x;
       }
     }
@@ -99,28 +102,16 @@ struct RowSoftmax {
     return fits;
   }
 
-  // The same for softcapped scores of a block without masks, s still raw: s becomes exp2(tanh(s * cap_scale) *
-  // scale_log2 - reference), the operations of the tanh pass and exp_row in their order (the same bits) in one pass,
-  // so that the tanh and exp2 MUFU streams interleave with the rest of the softmax (as two passes, each MUFU stream
-  // queued up alone).
+  // The same for softcapped scores of a block without masks, s still raw: the tanh pass and the exponentials' in one
+  // (the same operations in their order: the same bits), so that the tanh and exp2 MUFU streams interleave with the
+  // rest of the softmax (as two passes, each MUFU stream queued up alone).
   __device__ __forceinline__ bool capped_exp_against_reference(float (&s)[kBlockN / 2], float cap_scale,
                                                                float scale_log2, float (&block_sum)[2]) const {
     bool fits = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float base = softmax_base_log2(row_max[h], scale_log2);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& x = s[4 * j + 2 * h + c];
-          x = fast_exp2(fmaf(fast_tanh(x * cap_scale), scale_log2, -base));
-          sum += x;
-        }
-      }
-      block_sum[h] = sum;
-      fits &= sum_fits(sum, row_max[h]);
+      block_sum[h] = exp_row<true>(s, h, scale_log2, softmax_base_log2(row_max[h], scale_log2), cap_scale);
+      fits &= sum_fits(block_sum[h], row_max[h]);
     }
     return fits;
   }
