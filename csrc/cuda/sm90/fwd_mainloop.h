@@ -341,12 +341,14 @@ struct FwdConsumer {
       return false;
     }
   }
+  // tanh's argument per raw score: the one scale of cap and of the softmax's capped pass (the same bits).
+  __device__ float cap_scale() const { return p.scale / p.softcap; }
   __device__ void cap(float (&s)[kBlockN / 2]) const {
     if constexpr (Traits::kOptions) {
       if (softcapped(p)) {
-        const float cap_scale = p.scale / p.softcap;
+        const float scale = cap_scale();
 #pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) s[i] = fast_tanh(s[i] * cap_scale);
+        for (int i = 0; i < kBlockN / 2; ++i) s[i] = fast_tanh(s[i] * scale);
       }
     }
   }
@@ -516,8 +518,7 @@ struct FwdConsumer {
       bool moved;
       if constexpr (kOptimisticExp) {
         float block_sum[2];
-        const bool fits = capped_pass ? softmax.capped_exp_against_reference(s, p.scale / p.softcap, scale_log2,
-                                                                             block_sum)
+        const bool fits = capped_pass ? softmax.capped_exp_against_reference(s, cap_scale(), scale_log2, block_sum)
                                       : softmax.template exp_against_reference<kBand>(
                                             s, scale_log2, negate, edges(n_start), first_col, last_col, block_sum);
         moved = !fixed_reference && !warpgroup_all(fits, Barrier::vote(consumer));
