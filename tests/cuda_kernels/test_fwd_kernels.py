@@ -208,6 +208,27 @@ def test_cuda_softcap_three_consumers(batch, heads, len_q, len_k, causal, window
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("softcap", [30.0, 50.0], ids=["cap30", "cap50"])
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0)], ids=["w-1_-1", "w300_0"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("len_q,len_k", [(1030, 1030), (1500, 2900), (300, 700)])
+def test_cuda_softcap_kernels(head_dim, causal, window, softcap, len_q, len_k, dtype):
+    # D64 and D256 cap in kernels of their own (fwd_traits.h: Softcap), the tanh inside the exponentials' pass on
+    # blocks without a mask: every tile (D64 causal: two consumers below 1024 rows, three above; D256: 64-key blocks
+    # on short keys, 80 on long), band edges, and both reference rules: bf16 up to softcap 40 a fixed one (the D256
+    # kernel then skips the block maximum), else references that move, the scores rising along the keys from -20 to
+    # over 100 (log2 units before the cap), so that the optimistic D64 kernel turns blocks back.
+    scale = 1.0 / math.sqrt(head_dim)
+    q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.float32, "cuda")
+    q, k = steer_scores(q, k, 0.05 * torch.arange(len_k, device="cuda") - 20.0, scale)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out, lse = fwd(q, k, v, causal, scale, list(window), softcap)
+    assert_attention_close(out, lse, q, k, v, causal, scale, window, softcap, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("growth", [-0.05, 0.01, 0.05, 0.3, 1.0])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

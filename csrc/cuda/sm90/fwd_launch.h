@@ -48,6 +48,11 @@ template <typename T, typename Traits, bool kCausal>
 cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;
   if (plan.block_m != Traits::kBlockM || plan.block_n != Traits::kBlockN) return cudaErrorInvalidValue;
+  // A softcap kernel only under softcap, an options kernel that never caps only without.
+  const bool softcap = params.softcap > 0.f;
+  if (Traits::kCap == CapMode::kAlways ? !softcap : Traits::kCap == CapMode::kNever && softcap) {
+    return cudaErrorInvalidValue;
+  }
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   // Packed sequences: maps over all rows as one batch entry (the preparation cuts each sequence's from them); a KV
   // cache's: over its first entry (the preparation moves them to each entry's).
@@ -88,7 +93,23 @@ cudaError_t launch_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   return run_decode_combine<T>(params, Traits::kHeadDim, stream);
 }
 
-// Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says (kOptions: the variant
+// An options tile (BlockN keys, Consumers) in its softcap kernel or its kernel without softcap, as the call asks (a
+// window kernel that never caps keeps its registers); with kOneKernel in one kernel that caps where the call asks.
+template <typename T, int HeadDim, bool kCausal, int BlockN, int Consumers, bool kOptions, bool kOneKernel = false>
+cudaError_t launch_fwd_tile(const FwdParams& params, cudaStream_t stream) {
+  if constexpr (kOptions && kOneKernel) {
+    using Traits = FwdTraits<HeadDim, kCausal, BlockN, Consumers, true, false, CapMode::kPerCall>;
+    return launch_fwd_sm90<T, Traits, kCausal>(params, stream);
+  } else {
+    if constexpr (kOptions) {
+      using Traits = FwdTraits<HeadDim, kCausal, BlockN, Consumers, true, false, CapMode::kAlways>;
+      if (params.softcap > 0.f) return launch_fwd_sm90<T, Traits, kCausal>(params, stream);
+    }
+    return launch_fwd_sm90<T, FwdTraits<HeadDim, kCausal, BlockN, Consumers, kOptions>, kCausal>(params, stream);
+  }
+}
+
+// Launches the Hopper forward with HeadDim 64, 128 or 256 on `stream` as params.plan says (kOptions: the variants
 // with windows, softcap and sinks; kSequences: with packed sequences too). Returns cudaErrorInvalidValue where the
 // plan names a variant this head dim does not have, cudaErrorNotSupported where the driver refuses a tensor map or
 // the shared memory; launches nothing then.
@@ -97,27 +118,26 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
   const FwdPlan& plan = params.plan;
   if constexpr (kSequences) {  // one shape per head dim (tile_size.h: fwd_sequences_tile_shape)
     constexpr FwdTileShape kShape = fwd_sequences_tile_shape(HeadDim, kCausal);
-    using Traits = FwdTraits<HeadDim, kCausal, kShape.block_n, kShape.consumers, true, true>;
+    using Traits = FwdTraits<HeadDim, kCausal, kShape.block_n, kShape.consumers, true, true, CapMode::kPerCall>;
     return launch_fwd_sm90<T, Traits, kCausal>(params, stream);
   } else if constexpr (HeadDim == 64) {
-    if constexpr (kCausal) {
-      if (plan.consumers == 3) {
-        return launch_fwd_sm90<T, FwdTraits<64, true, 128, 3, kOptions>, true>(params, stream);
-      }
-      return launch_fwd_sm90<T, FwdTraits<64, true, 128, 2, kOptions>, true>(params, stream);
+    if constexpr (kCausal) {  // three consumers: one kernel (as a softcap kernel its consumers spilled 292 B)
+      if (plan.consumers == 2) return launch_fwd_tile<T, 64, true, 128, 2, kOptions>(params, stream);
+      return launch_fwd_tile<T, 64, true, 128, 3, kOptions, true>(params, stream);
     } else {
-      return launch_fwd_sm90<T, FwdTraits<64, false, 128, 3, kOptions>, false>(params, stream);
+      return launch_fwd_tile<T, 64, false, 128, 3, kOptions>(params, stream);
     }
   } else if constexpr (HeadDim == 128) {
-    if constexpr (kOptions) {  // softcap: three consumers over 64-key blocks
-      if (plan.consumers == 3) return launch_fwd_sm90<T, FwdTraits<128, kCausal, 64, 3, true>, kCausal>(params, stream);
+    if constexpr (kOptions) {  // softcap: three consumers over 64-key blocks, the only tile that caps
+      if (plan.consumers == 3) {
+        return launch_fwd_sm90<T, FwdTraits<128, kCausal, 64, 3, true, false, CapMode::kAlways>, kCausal>(params,
+                                                                                                        stream);
+      }
     }
     return launch_fwd_sm90<T, FwdTraits<128, kCausal, 128, 2, kOptions>, kCausal>(params, stream);
   } else {
-    if (plan.block_n == 64) {
-      return launch_fwd_sm90<T, FwdTraits<256, kCausal, 64, 2, kOptions>, kCausal>(params, stream);
-    }
-    return launch_fwd_sm90<T, FwdTraits<256, kCausal, 80, 2, kOptions>, kCausal>(params, stream);
+    if (plan.block_n == 64) return launch_fwd_tile<T, 256, kCausal, 64, 2, kOptions>(params, stream);
+    return launch_fwd_tile<T, 256, kCausal, 80, 2, kOptions>(params, stream);
   }
 }
 

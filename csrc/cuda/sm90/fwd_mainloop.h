@@ -331,12 +331,14 @@ struct FwdConsumer {
         scale_log2(softcapped(params) ? params.softcap * 1.4426950408889634f : fabsf(params.scale_log2)),
         causal_shift(params.len_k - params.len_q) {}
 
-  // Options: the scores become tanh(scale * q.k / softcap), which the softmax takes times softcap (> 0).
-  __device__ static bool softcapped(const FwdParams& params) { return Traits::kOptions && params.softcap > 0.f; }
+  // Softcap: the scores become tanh(scale * q.k / softcap), which the softmax takes times softcap (> 0).
+  __device__ static bool softcapped(const FwdParams& params) {
+    return Traits::kCap == CapMode::kAlways || (Traits::kCap == CapMode::kPerCall && params.softcap > 0.f);
+  }
   // Softcap up to kFixedReferenceMaxSoftcap with bf16 P: every row's reference is 1 (softmax.h).
   __device__ bool fixed_reference() const {
-    if constexpr (Traits::kOptions && std::is_same_v<T, __nv_bfloat16>) {
-      return p.softcap > 0.f && p.softcap <= kFixedReferenceMaxSoftcap;
+    if constexpr (Traits::kCap != CapMode::kNever && std::is_same_v<T, __nv_bfloat16>) {
+      return softcapped(p) && p.softcap <= kFixedReferenceMaxSoftcap;
     } else {
       return false;
     }
@@ -344,7 +346,7 @@ struct FwdConsumer {
   // tanh's argument per raw score: the one scale of cap and of the softmax's capped pass (the same bits).
   __device__ float cap_scale() const { return p.scale / p.softcap; }
   __device__ void cap(float (&s)[kBlockN / 2]) const {
-    if constexpr (Traits::kOptions) {
+    if constexpr (Traits::kCap != CapMode::kNever) {
       if (softcapped(p)) {
         const float scale = cap_scale();
 #pragma unroll
@@ -505,9 +507,12 @@ struct FwdConsumer {
         if (q_free_after_s && n_block == my_n_end - 1) mbarrier_arrive(&smem.q_empty[q_barrier]);
       }
       Mask::cols(n_start, tile.m_start, row_in_block0, causal_shift, tile.len_k(p), lane, p, first_col, last_col);
+      // Exponentials against the rows' references: the optimistic policy's, and the lazy one's too in a softcap
+      // kernel under a fixed reference (no reference moves: no block maximum).
+      const bool against_reference = kOptimisticExp || (Traits::kCappedPass && fixed_reference);
       // Softcap on a block without masks (Traits::kCappedPass): the tanh inside the exponentials' pass; else before
       // the mask. Locked, softcap 30 D128 causal L16k: +6%.
-      const bool capped_pass = Traits::kCappedPass && kOptimisticExp && softcapped(p) && edges(n_start) == 0;
+      const bool capped_pass = Traits::kCappedPass && against_reference && edges(n_start) == 0;
       if (!capped_pass) cap(s);
       // Then wait for P[n-1] V[n-1]: O and the P registers are free again.
       const auto wait_pv = [&] {
@@ -535,6 +540,17 @@ struct FwdConsumer {
                                                 rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
+      } else if (against_reference) {
+        float block_sum[2];
+        if (capped_pass) {
+          softmax.capped_exp_against_reference(s, cap_scale(), scale_log2, block_sum);
+        } else {
+          softmax.template exp_against_reference<kBand>(s, scale_log2, negate, edges(n_start), first_col, last_col,
+                                                        block_sum);
+        }
+        softmax.row_sum[0] += block_sum[0];
+        softmax.row_sum[1] += block_sum[1];
+        moved = false;
       } else {
         moved = softmax.template update<true, kBand>(s, scale_log2, negate, edges(n_start), first_col, last_col,
                                                      rescale);

@@ -1,8 +1,9 @@
 // The Hopper forward's compile-time shape and policies (FwdTraits) and its shared-memory layout (SharedStorage).
-// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options, sequences> (tile_size.h picks
-// them per call); every other choice below follows from those and from the 227 KB of shared memory. The options
-// variants take a sliding window, softcap and sinks (FwdParams' score modifications); their Causal means a band with a
-// right edge. The sequences variants (options too) take packed sequences, each tile's lengths and tensor maps its own.
+// A kernel variant is FwdTraits<head dim, causal, keys per block, consumers, options, sequences, cap> (tile_size.h
+// picks them per call); every other choice below follows from those and from the 227 KB of shared memory. The options
+// variants take a sliding window and sinks (FwdParams' score modifications) and softcap as Cap says; their Causal means
+// a band with a right edge. The sequences variants (options too) take packed sequences, each tile's lengths and tensor
+// maps its own.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,7 +40,11 @@ enum class ExpPolicy {
 // Where S = Q K^T reads Q from.
 enum class QOperand { kSharedMemory, kRegisters };
 
-template <int HeadDim, bool Causal, int BlockN, int Consumers, bool Options = false, bool Sequences = false>
+// Whether a kernel caps its scores (softcap's tanh): in no call, in every call (a softcap kernel), or as the call says.
+enum class CapMode { kNever, kAlways, kPerCall };
+
+template <int HeadDim, bool Causal, int BlockN, int Consumers, bool Options = false, bool Sequences = false,
+          CapMode Cap = CapMode::kNever>
 struct FwdTraits {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kConsumers = Consumers;
@@ -73,9 +78,9 @@ struct FwdTraits {
       HeadDim == 128 && BlockN == 128 ? QOperand::kRegisters : QOperand::kSharedMemory;
   // The lazy rescale where the optimistic exponentials' recompute would spill (D256).
   static constexpr ExpPolicy kExp = HeadDim != 256 ? ExpPolicy::kOptimistic : ExpPolicy::kLazyRescale;
-  // Softcap's tanh inside the exponentials' pass (fwd_mainloop.h), in the tile that D128 takes under softcap only
-  // (tile_size.h). Elsewhere the softcapped path's registers spilled in the window kernels (D128 144 B, was 48 B).
-  static constexpr bool kCappedPass = Options && HeadDim == 128 && Consumers == 3;
+  static constexpr CapMode kCap = Cap;
+  // Softcap's tanh inside the exponentials' pass where a block has no mask (fwd_mainloop.h), in the softcap kernels.
+  static constexpr bool kCappedPass = kCap == CapMode::kAlways;
 
   // Under a causal mask a consumer stops after the last key block its 64 rows see (and only takes its turns and
   // releases the stages of the tile's later blocks). Where blocks are as tall as the tile every consumer sees part of
@@ -141,6 +146,7 @@ struct FwdTraits {
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q buffers");
   static_assert(!Sequences || (Options && !kTilesEndAtLq), "packed sequences: an options variant, tiles from row 0");
+  static_assert(Options || Cap == CapMode::kNever, "softcap is an option");
   static_assert(kSmemBytes <= kMaxSmemBytes, "Q, the K/V stages and O exceed the 227 KB of shared memory per block");
   static_assert(!(kQOperand == QOperand::kRegisters) || !kFirstOInQ,
                 "with Q in registers its shared memory is released before the epilogue");
