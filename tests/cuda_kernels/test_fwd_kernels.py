@@ -214,11 +214,12 @@ def test_cuda_softcap_three_consumers(batch, heads, len_q, len_k, causal, window
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("len_q,len_k", [(1030, 1030), (1500, 2900), (300, 700)])
 def test_cuda_softcap_kernels(head_dim, causal, window, softcap, len_q, len_k, dtype):
-    # D64 and D256 cap in kernels of their own (fwd_traits.h: Softcap), the tanh inside the exponentials' pass on
-    # blocks without a mask: every tile (D64 causal: two consumers below 1024 rows, three above; D256: 64-key blocks
-    # on short keys, 80 on long), band edges, and both reference rules: bf16 up to softcap 40 a fixed one (the D256
-    # kernel then skips the block maximum), else references that move, the scores rising along the keys from -20 to
-    # over 100 (log2 units before the cap), so that the optimistic D64 kernel turns blocks back.
+    # D64 and D256 cap in kernels of their own (fwd_traits.h: CapMode), the tanh inside the exponentials' pass on
+    # blocks without a mask: every tile (D64 causal: two consumers below 1024 rows, three above, in the kernel that
+    # caps per call; D256: 64-key blocks on short keys, 80 on long), band edges, and both reference rules: bf16 up to
+    # softcap 40 a fixed one (the D256 kernel then skips the block maximum), else references that move, the scores
+    # rising along the keys from -20 to over 100 (log2 units before the cap), so that the optimistic D64 kernel turns
+    # blocks back.
     scale = 1.0 / math.sqrt(head_dim)
     q, k, v = make_qkv(1, 4, 2, len_q, len_k, head_dim, torch.float32, "cuda")
     q, k = steer_scores(q, k, 0.05 * torch.arange(len_k, device="cuda") - 20.0, scale)
