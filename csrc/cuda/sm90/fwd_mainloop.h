@@ -520,12 +520,16 @@ struct FwdConsumer {
         wgmma_fence_registers(o);
         wgmma_fence_registers(p_frag);
       };
+      // s becomes the exponentials against the references, block_sum their row sums; returns whether they can stand.
+      const auto exp_against_reference = [&](float (&block_sum)[2]) {
+        return capped_pass ? softmax.capped_exp_against_reference(s, cap_scale(), scale_log2, block_sum)
+                           : softmax.template exp_against_reference<kBand>(s, scale_log2, negate, edges(n_start),
+                                                                           first_col, last_col, block_sum);
+      };
       bool moved;
       if constexpr (kOptimisticExp) {
         float block_sum[2];
-        const bool fits = capped_pass ? softmax.capped_exp_against_reference(s, cap_scale(), scale_log2, block_sum)
-                                      : softmax.template exp_against_reference<kBand>(
-                                            s, scale_log2, negate, edges(n_start), first_col, last_col, block_sum);
+        const bool fits = exp_against_reference(block_sum);
         moved = !fixed_reference && !warpgroup_all(fits, Barrier::vote(consumer));
         if (!moved) {
           softmax.row_sum[0] += block_sum[0];
@@ -540,14 +544,9 @@ struct FwdConsumer {
                                                 rescale);
         }
         mbarrier_arrive(&smem.k_empty[stage]);
-      } else if (against_reference) {
+      } else if (against_reference) {  // a fixed reference: they always stand
         float block_sum[2];
-        if (capped_pass) {
-          softmax.capped_exp_against_reference(s, cap_scale(), scale_log2, block_sum);
-        } else {
-          softmax.template exp_against_reference<kBand>(s, scale_log2, negate, edges(n_start), first_col, last_col,
-                                                        block_sum);
-        }
+        exp_against_reference(block_sum);
         softmax.row_sum[0] += block_sum[0];
         softmax.row_sum[1] += block_sum[1];
         moved = false;
