@@ -49,17 +49,20 @@ inline int decode_splits(int heads_kv, int heads_per_kv, int len_q, int64_t len_
 }
 
 // Whether one CTA runs all the splits of a row group in turn (folding their parts itself: no combine pass, no
-// workspace) instead of a CTA per split: where the row groups alone fill at least 15/16 of two CTAs per SM and the
-// splits are short, so that splitting adds CTA starts, fp32 parts and a pass without adding parallelism (H32 / Hk32
-// B8 4k, 256 row groups on 264 slots: 142.5 -> 138.7 us). Long splits keep a CTA each: their overheads are small, and
-// many short CTAs fill the last wave better than a few long ones. The bits are the same either way.
+// workspace) instead of a CTA per split: where the row groups alone fill at least 15/16 of two CTAs per SM and either
+// the splits are short, so that splitting adds CTA starts, fp32 parts and a pass without adding parallelism (H32 /
+// Hk32 B8 4k, 256 row groups on 264 slots: 142.5 -> 138.7 us), or the row groups also fill their last round of the
+// SMs to 15/16, so that long CTAs leave no tail (Hk32 B8 32k: 1370.8 -> 1350.0 us on an H100). Elsewhere long splits
+// keep a CTA each: many short CTAs fill a partial last round better than a few long ones. The same bits either way.
 inline constexpr int kDecodeMaxBlocksInTurn = 8;  // a split's blocks, at most, for its row group to run in turn
 inline bool decode_splits_in_turn(int batch, int heads_kv, int heads_per_kv, int len_q, int64_t len_k, int num_sms,
                                   int splits) {
   const int64_t ctas = static_cast<int64_t>(batch) * heads_kv * decode_row_groups(heads_per_kv, len_q);
   const int64_t blocks = (len_k + kDecodeBlockN - 1) / kDecodeBlockN;
   const int64_t slots = 2 * static_cast<int64_t>(num_sms);
-  return splits > 1 && 16 * ctas >= 15 * slots && blocks <= kDecodeMaxBlocksInTurn * splits;
+  if (splits <= 1 || 16 * ctas < 15 * slots) return false;
+  const int64_t last_round = ctas % slots;
+  return blocks <= kDecodeMaxBlocksInTurn * splits || last_round == 0 || 16 * last_round >= 15 * slots;
 }
 
 // The grid: x the splits that run as CTAs of their own (1 where there is one or they run in turn) times the chunks of
