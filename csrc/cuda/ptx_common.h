@@ -1,6 +1,6 @@
 // Register and shared-memory helpers every CUDA kernel uses, sm80 and sm90 alike: shared-memory addresses, ldmatrix,
-// packing two floats into a 16-bit pair, the special-function unit's exp2, and GPU-scope flags between CTAs. Each wraps
-// one instruction.
+// packing two floats into a 16-bit pair, the special-function unit's exp2, GPU-scope flags between CTAs, and the
+// programmatic dependent launch. Each wraps one instruction.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +49,20 @@ template <>
 __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Programmatic dependent launch (sm90+; no-ops before): a grid lets the next kernel of its stream start its CTAs
+// (`allow_dependents`), and that kernel waits for the whole grid before it reads its results (`wait_for_primary`).
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // 2^x on the special-function unit; exp2(-inf) = +0, which the masked softmax relies on.

@@ -74,6 +74,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flash_decode_kernel(const _
   T* const sK = sQ + Traits::kSmemQ;             // [kStages][kBlockN][kStride]
   T* const sV = sK + kStages * Traits::kSmemKV;  // [kStages][kBlockN][kStride]
 
+  allow_dependents();  // the combine's CTAs may take the SMs this grid leaves; they wait for its parts
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const bool in_turn = p.plan.splits_in_turn;
