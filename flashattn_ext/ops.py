@@ -166,7 +166,8 @@ def flash_attn_with_kvcache(
             ``block_table`` (int32 (B, max_pages): entry b's pages in order). A (num_pages, page_size, Hk, D) cache
             passes as ``.transpose(1, 2)`` (any strides with stride(-1) == 1).
         k, v: optional (B, Hk, Lnew, D) new keys and values, written into the caches (in place) at positions
-            ``cache_seqlens[b] ..``; attention then runs over ``cache_seqlens[b] + Lnew`` keys.
+            ``cache_seqlens[b] ..``; attention then runs over ``cache_seqlens[b] + Lnew`` keys. The caches may then
+            share no memory (with each other, with k or v, or within one, as an expanded tensor does).
         cache_seqlens: int32 (B,) valid lengths before the append (default: the whole cache less Lnew). Whatever lies
             past a valid length (garbage, NaN) never reaches the output. ``cache_seqlens`` itself is not changed.
         causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per batch entry (bottom-right causal).

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cmath>
 #include <initializer_list>
@@ -164,8 +165,9 @@ inline ScoreMods check_score_mods(const at::Tensor& q, const AttentionShape& s, 
   return mods;
 }
 
-// A backward's dout and out: q's shape, dtype and device, rows contiguous; lse and dlse: float32 of `lse_shape`
-// (spelt `lse_dims` in messages) on q's device.
+// A backward's dout and out: q's shape, dtype and device, rows contiguous unless empty (autograd's gradient of an
+// empty out.sum() has every stride 0; nothing of it is read); lse and dlse: float32 of `lse_shape` (spelt `lse_dims`
+// in messages) on q's device.
 inline void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
                               const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::IntArrayRef lse_shape,
                               const char* lse_dims, const char* op) {
@@ -176,7 +178,7 @@ inline void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const
                 ", got ", t->scalar_type());
     TORCH_CHECK(t->device() == q.device(), op, ": ", name, " must be on q's device ", q.device(), ", got ",
                 t->device());
-    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, op, ": ", name,
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1 || t->numel() == 0, op, ": ", name,
                 " must have stride(-1) == 1 (contiguous last dimension), got stride ", t->stride(-1));
   }
   for (const at::Tensor* t : {&lse, dlse.has_value() ? &*dlse : nullptr}) {
@@ -264,6 +266,24 @@ inline KvCacheShape check_kvcache_inputs(const at::Tensor& q, const at::Tensor& 
     s.len_new = k->size(2);
     TORCH_CHECK(s.len_new <= s.capacity, op, ": k and v must fit in the cache: Lnew = ", s.len_new,
                 " is more than its ", s.capacity, " rows", s.paged ? " (max_pages * page_size)" : " (Lmax)");
+    // The append writes each entry's rows through its own view, past PyTorch's overlap checks of copy_: a cache
+    // whose elements share memory (an expanded one), or caches and new keys that share it, would take the writes of
+    // one entry or tensor in the place of another's.
+    for (const auto& [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
+      TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, op, ": ", name,
+                  " is written (k and v are given), so no two of its elements may share memory (an expanded "
+                  "tensor): clone it");
+    }
+    const auto overlaps = [](const at::Tensor& a, const at::Tensor& b) {
+      const at::MemOverlapStatus status = at::get_overlap_status(a, b);
+      return status == at::MemOverlapStatus::Full || status == at::MemOverlapStatus::Partial;
+    };
+    TORCH_CHECK(!overlaps(k_cache, v_cache), op,
+                ": k_cache and v_cache are written (k and v are given), so they must not share memory");
+    for (const auto& [name, t] : {std::pair{"k", &*k}, std::pair{"v", &*v}}) {
+      TORCH_CHECK(!overlaps(*t, k_cache) && !overlaps(*t, v_cache), op, ": ", name,
+                  " must not share memory with k_cache or v_cache, which the call writes");
+    }
   }
   if (cache_seqlens.has_value()) {
     const at::Tensor& c = *cache_seqlens;

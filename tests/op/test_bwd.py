@@ -314,6 +314,9 @@ def test_empty_inputs(device, dtype, batch, heads, len_q, len_k, causal):
     grads = torch.autograd.grad((out, lse), (q, k, v), (torch.ones_like(out), torch.ones_like(lse)))
     assert_grad_properties(grads, q, k, v)
     assert all((g == 0).all() for g in grads)
+    # A loss's gradient: that of out.sum() is expanded (every stride 0), also where out is empty.
+    flashattn_ext.flash_attn(q, k, v, causal).sum().backward()
+    assert all(t.grad.shape == t.shape and (t.grad == 0).all() for t in (q, k, v))
 
 
 def test_direct_op_matches_autograd(device, dtype):

@@ -297,6 +297,26 @@ def test_bad_arguments(device, change, message):
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
 
+@pytest.mark.parametrize("overlap", ["expanded-cache", "one-tensor-for-both", "new-keys-in-cache"])
+def test_append_into_shared_memory_is_refused(device, overlap):
+    """The append writes each entry's rows through its own view, past PyTorch's overlap checks: memory that two
+    written rows (or a written row and a new key) share is refused before anything is written."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    k_cache, v_cache = (t.to(device) for t in dense_cache(dtype))
+    k, v = (torch.randn(B, HK, 1, D, dtype=dtype, device=device) for _ in range(2))
+    if overlap == "expanded-cache":
+        k_cache, message = k_cache[:1].expand_as(k_cache), "k_cache is written .* no two of its elements"
+    elif overlap == "one-tensor-for-both":
+        v_cache, message = k_cache, "k_cache and v_cache are written .* must not share memory"
+    else:  # the first rows of the cache's memory, as a dense tensor of k's shape
+        k, message = k_cache.view(-1)[:k.numel()].view(k.shape), "k must not share memory with k_cache or v_cache"
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        fwd_kvcache(torch.randn(B, H, 1, D, dtype=dtype, device=device), k_cache, v_cache, k, v,
+                    torch.tensor([0, 1, 2], dtype=torch.int32, device=device))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
 def test_no_query_heads(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     cache = torch.randn(B, 0, LMAX, D, dtype=dtype, device=device)

@@ -26,6 +26,14 @@ def test_opcheck_fwd_autograd(device, dtype, sample):
     torch.library.opcheck(torch.ops.flashattn.fwd.default, args, kwargs)
 
 
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 0, 5, 8), (2, 4, 0, 8)], ids=["no-heads", "no-queries"])
+def test_opcheck_empty(device, dtype, shape):
+    # test_aot_dispatch_dynamic runs the backward on the gradient of an empty out.sum(): every stride 0.
+    args = tuple(torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.flashattn.fwd.default, args, {})
+
+
 def bwd_sample(device, dtype, sample):
     """(args, kwargs) of flashattn.bwd built from a fwd sample: out and lse from fwd, random dout (and dlse)."""
     (q, k, v), kwargs = sample_inputs(device, dtype)[sample]

@@ -541,6 +541,15 @@ def test_no_keys_anywhere_sink_gradient(device, dtype):
     torch.testing.assert_close(dsinks, dlse.sum(-1))
 
 
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_no_queries_loss_backward(device, dtype):
+    # A rank's empty share of a packed batch: the loss's gradient (out.sum(): every stride 0) gives zero gradients.
+    q, k, v, cu_q, cu_k = packed_inputs([(0, 5)], 2, 1, 64, dtype, device)
+    q, k, v = leaves(q, k, v)
+    flashattn_ext.flash_attn_varlen(q, k, v, cu_q, cu_k, causal=True).sum().backward()
+    assert q.grad.shape == q.shape and (k.grad == 0).all() and (v.grad == 0).all()
+
+
 @pytest.mark.cuda
 def test_cuda_backward_refuses_what_it_lacks():
     # Above D128 only the Hopper kernel takes packed sequences.
