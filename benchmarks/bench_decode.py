@@ -17,7 +17,9 @@ step. Each point prints the median time and the K/V bytes read per second (2 * B
 --len-q above 1 (a chunk of queries, the cache's last rows in the causal case: bottom-right), TFLOP/s instead (4 * B * H
 * D times the visible query-key pairs). cuDNN is left out of causal chunks (SDPA's causal mask is top-left). Points
 whose cache would exceed --max-cache-gib, or not fit in the GPU's free memory beside its pages, are skipped (a line
-says so). A CSV row per point goes to --out, and a bar chart of the rates (PNG, with matplotlib; --no-plot skips it).
+says so). Before the timing each output is checked on the first and last batch entries against float32 SDPA (within 3x
+the same SDPA's error in bf16, bench_sdpa.py's rule); a line names any that is not. A CSV row per point (rates and
+errors) goes to --out, and a bar chart of the rates (PNG, with matplotlib; --no-plot skips it).
 `bench_sdpa.py --mode decode` runs this script with its other arguments.
 """
 from __future__ import annotations
@@ -33,13 +35,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdpa import ScoreMods, import_flashattn_ext, make_timer, round_order  # noqa: E402
+from bench_sdpa import ScoreMods, error_bound, import_flashattn_ext, make_timer, round_order  # noqa: E402
 
 IMPLS = ["plain", "kvcache", "paged", "cudnn"]
 
 
 def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=False, len_q=1, causal=False,
               num_splits=0):
+    """The implementations' calls by name, and (q, k_cache, v_cache) of the dense cache."""
     dtype, device = torch.bfloat16, "cuda"
     q = torch.randn(batch, heads, len_q, head_dim, dtype=dtype, device=device)
     k_cache, v_cache = (torch.randn(batch, heads_kv, length, head_dim, dtype=dtype, device=device) for _ in range(2))
@@ -64,14 +67,45 @@ def callables(fa, batch, heads, heads_kv, length, head_dim, page_size, append=Fa
         fns["paged"] = lambda: fa.flash_attn_with_kvcache(q, pages[0], pages[1], *new, cache_seqlens=seqlens,
                                                           block_table=block_table, causal=causal,
                                                           num_splits=num_splits)
+    inputs = (q, k_cache, v_cache)  # what check_outputs compares against
     if causal and len_q > 1:
-        return fns
+        return fns, inputs
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=heads_kv != heads)
     fns["cudnn"] = cudnn
-    return fns
+    return fns, inputs
+
+
+def entry_reference(q, k_cache, v_cache, entry: int, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Entry `entry`'s output (H, Lq, D) by SDPA on its inputs cast to `dtype`: each kv head's query heads as rows of
+    one query (no K / V repeat), the causal band bottom-right by an explicit mask."""
+    heads, len_q, head_dim = q.shape[1:]
+    heads_kv, length = k_cache.shape[1:3]
+    group = heads // heads_kv
+    rows = q[entry].to(dtype).reshape(heads_kv, group * len_q, head_dim)
+    mask = None
+    if causal:  # row g * Lq + i sees keys j <= length - Lq + i
+        query = torch.arange(group * len_q, device=q.device) % len_q
+        mask = torch.arange(length, device=q.device)[None] <= (length - len_q + query)[:, None]
+    out = F.scaled_dot_product_attention(rows, k_cache[entry].to(dtype), v_cache[entry].to(dtype), attn_mask=mask)
+    return out.reshape(heads, len_q, head_dim)
+
+
+def check_outputs(outputs: dict, q, k_cache, v_cache, causal: bool) -> dict:
+    """Each implementation's largest output error on the first and last batch entries against float32 SDPA, and
+    whether it is within bench_sdpa's rule (3x the same SDPA's error in bf16, plus the floor): name -> (error, ok).
+    The caches are the dense ones, as the calls left them (appended tokens included)."""
+    entries = sorted({0, q.shape[0] - 1})
+    truth = [entry_reference(q, k_cache, v_cache, b, causal, torch.float32) for b in entries]
+    low = [entry_reference(q, k_cache, v_cache, b, causal, q.dtype) for b in entries]
+    bound = error_bound(max((lo.float() - t).abs().max().item() for lo, t in zip(low, truth)), q.dtype)
+    report = {}
+    for name, out in outputs.items():
+        error = max((out[b].float() - t).abs().max().item() for b, t in zip(entries, truth))
+        report[name] = (error, error <= bound)  # NaN fails
+    return report
 
 
 def write_plot(path: Path, rows: list, rate: str) -> None:
@@ -122,6 +156,7 @@ def main(argv=None):
 
     timer, _ = make_timer("cuda")
     rows = []
+    failed = 0  # outputs above the check's bound
     # The rate printed and plotted: K/V bytes per second for decoding, FLOP/s for a chunk of queries.
     rate, label, decimals = ("tbs", "TB/s", 2) if args.len_q == 1 else ("tflops", "TF/s", 0)
     print(f"{'Hk':>3} {'B':>3} {'Lk':>7} " + " ".join(f"{name + ' us':>11} {label:>5}" for name in IMPLS))
@@ -138,8 +173,8 @@ def main(argv=None):
                 if needed > free:
                     print(f"{point}  skipped: needs {needed / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free", flush=True)
                     continue
-                fns = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size, args.append,
-                                args.len_q, args.causal, args.num_splits)
+                fns, inputs = callables(fa, batch, args.heads, heads_kv, length, args.head_dim, args.page_size,
+                                        args.append, args.len_q, args.causal, args.num_splits)
                 # bottom-right causal: row i sees length - len_q + i + 1 keys, or none
                 flops = 4 * batch * args.heads * args.head_dim * ScoreMods().visible_pairs(args.len_q, length,
                                                                                            args.causal)
@@ -150,6 +185,15 @@ def main(argv=None):
                     except RuntimeError as exc:
                         print(f"  {name}: {str(exc).splitlines()[0][:100]}")
                         del fns[name], times[name]
+                # Checked once every call has run (with --append the caches then hold the same appended tokens).
+                try:
+                    checks = check_outputs({name: fn() for name, fn in fns.items()}, *inputs, args.causal)
+                except torch.cuda.OutOfMemoryError:
+                    checks = {}
+                    print("  outputs not checked: the reference does not fit in memory")
+                for name, (error, ok) in checks.items():
+                    if not ok:
+                        print(f"  {name}: output error {error:.3g} against float32 SDPA, above the bound")
                 for round_index in range(args.rounds):
                     for name in round_order(list(fns), round_index):
                         times[name].append(timer(fns[name]))
@@ -162,14 +206,18 @@ def main(argv=None):
                         ms = statistics.median(times[name])
                         rates = {"tbs": cache_bytes / ms / 1e9, "tflops": flops / ms / 1e9}
                         row[f"{name}_us"] = round(ms * 1e3, 1)
+                        if name in checks:
+                            row[f"{name}_err"], row[f"{name}_ok"] = float(f"{checks[name][0]:.3g}"), checks[name][1]
                         row[f"{name}_tbs"], row[f"{name}_tflops"] = round(rates["tbs"], 2), round(rates["tflops"], 1)
                         cells.append(f"{ms * 1e3:11.1f} {rates[rate]:5.{decimals}f}")
                     else:
                         cells.append(f"{'-':>11} {'-':>5}")
                 print(f"{point} " + " ".join(cells), flush=True)
                 rows.append(row)
-                del fns
+                failed += sum(not ok for _, ok in checks.values())
+                del fns, inputs
                 torch.cuda.empty_cache()
+    print(f"Correctness: {failed} output(s) above tolerance (entries 0 and B - 1 against float32 SDPA)")
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "bench_decode.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({key for row in rows for key in row}, key=str))

@@ -883,6 +883,10 @@ def print_summary(rows: List[Row], backends: List[str], min_len: int, with_bwd: 
         print(f"  {dtype} D={head_dim:<3} causal={'on ' if causal else 'off'}  " + "   ".join(parts))
     flagged = [f"{r.config.label} ({r.diff_over})" for r in rows if r.diff_ok is False]
     print(f"Correctness: {len(flagged)} row(s) above tolerance" + (": " + "; ".join(flagged) if flagged else ""))
+    # Rows our op ran but no reference path took (e.g. Flex failing on a score modification): not passes.
+    unchecked = [r.config.label for r in rows if r.diff_ok is None and not r.results["ours"].error]
+    if unchecked:
+        print(f"Not checked (no reference path ran): {len(unchecked)} row(s): " + "; ".join(unchecked))
 
 
 def min_ratio(rows: List[Row], ratio: Callable[[Row], Optional[float]]) -> str:
