@@ -39,6 +39,9 @@ def cuda_archs():
         if bad or not archs:
             raise SystemExit(f"FLASHATTN_CUDA_ARCHS: {bad or env!r} are not archs of sm_80 or newer, written as 80, "
                              "86, 90a ...")
+        if "90" in archs and "90a" not in archs:
+            print("FLASHATTN_CUDA_ARCHS: 90 builds the portable kernels only; the Hopper (TMA + wgmma) kernels need "
+                  "90a", file=sys.stderr)
         return archs
     import torch
 

@@ -157,11 +157,16 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 // A Hopper GPU with the Hopper kernels built for it.
 bool sm90_device(const at::Tensor& q) {
-#ifdef FLASHATTN_WITH_SM90
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
-  return props->major == 9 && props->minor == 0;
+  const bool hopper = props->major == 9 && props->minor == 0;
+#ifdef FLASHATTN_WITH_SM90
+  return hopper;
 #else
-  (void)q;
+  // Strict mode promises the Hopper kernels ran: without them in the build it cannot hold on a Hopper GPU.
+  const Switches& sw = switches();
+  TORCH_CHECK(!hopper || (sw.fwd_sm90 != Sm90Use::kStrict && sw.bwd_sm90 != Sm90Use::kStrict),
+              "flashattn: FLASHATTN_FWD_SM90 or FLASHATTN_BWD_SM90 is strict on a Hopper GPU, but this build has no "
+              "Hopper kernels (FLASHATTN_CUDA_ARCHS must name 90a)");
   return false;
 #endif
 }
@@ -855,51 +860,57 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(const at::Tensor& q, at::Ten
     const bool entries_contiguous = block_table->stride(1) == 1 || block_table->size(1) <= 1;
     pages = entries_contiguous ? *block_table : block_table->contiguous();
   }
+  at::Tensor out = empty_written_like(q);
+  at::Tensor lse = empty_written({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
+  // The plan first (the switches, strict mode and the device's limits may refuse the call), then the append: a call
+  // that raises leaves the caches as they were.
+  const bool attends = !s.empty() && ks.capacity > 0;
+  FwdParams p{};
+  const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
+  if (attends) {
+    p = make_fwd_params(q, k_cache, v_cache, out, lse, s, mods.right >= 0, softmax_scale);
+    set_score_mods(p, mods);
+    p.options = true;
+    p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
+    p.seqlens_k = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
+    p.leftpad_k = leftpad.defined() ? leftpad.data_ptr<int>() : nullptr;
+    p.len_new = static_cast<int>(ks.len_new);
+    if (ks.paged) {
+      p.block_table = pages.data_ptr<int>();
+      p.block_table_stride = pages.stride(0);
+      p.page_size = static_cast<int>(ks.page_size);
+      p.page_of = DivMod::of(p.page_size);
+      p.num_pages = static_cast<int>(ks.num_pages);
+    }
+    const FwdDevice device = fwd_device(q);
+    const Switches& sw = switches();
+    if (decode_applies(p, bucket, device, sw)) {
+      p.plan = plan_decode(p, bucket, device.num_sms, num_splits, sw);
+    } else if (fwd_wants_sm90(bucket, device, sw) &&
+               sm90_maps_kvcache(p, bucket, q.scalar_type() == at::kBFloat16, q.get_device())) {
+      p.plan = plan_fwd_sequences(p, bucket, device, num_splits, sw.decode_splits);
+    } else {
+      const std::string page_rule = ks.paged ? c10::str(", or pages of ", ks.page_size, " rows: it takes pages of a "
+                                                        "multiple of 8 rows that divide its key blocks (128 keys, 64 "
+                                                        "at D256) or that they divide")
+                                             : std::string();
+      TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw), op,
+                  ": FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot describe "
+                  "the strides of q or the caches", page_rule, ")");
+      p.plan = plan_fwd_sm80(bucket, device, sw);
+    }
+    check_fits(p.plan, device, op);
+  }
+
   if (ks.len_new > 0 && ks.capacity > 0) {
     const cudaError_t err = append_to_kvcache(ks, *k, *v, k_cache, v_cache, lengths, pages, stream);
     TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
   }
-  at::Tensor out = empty_written_like(q);
-  at::Tensor lse = empty_written({ks.batch, ks.heads, ks.len_q}, q.options().dtype(at::kFloat));
   if (s.empty()) return {out, lse};
   if (ks.capacity == 0) {  // no entry has a key
     store_keyless(out, lse, mods, /*lse_head_dim=*/1);
     return {out, lse};
   }
-
-  FwdParams p = make_fwd_params(q, k_cache, v_cache, out, lse, s, mods.right >= 0, softmax_scale);
-  set_score_mods(p, mods);
-  p.options = true;
-  const at::Tensor sinks_rows = mods.sinks.has_value() ? mods.sinks->contiguous() : at::Tensor();
-  p.sinks = sinks_rows.defined() ? sinks_rows.data_ptr<float>() : nullptr;
-  p.seqlens_k = lengths.defined() ? lengths.data_ptr<int>() : nullptr;
-  p.leftpad_k = leftpad.defined() ? leftpad.data_ptr<int>() : nullptr;
-  p.len_new = static_cast<int>(ks.len_new);
-  if (ks.paged) {
-    p.block_table = pages.data_ptr<int>();
-    p.block_table_stride = pages.stride(0);
-    p.page_size = static_cast<int>(ks.page_size);
-    p.page_of = DivMod::of(p.page_size);
-    p.num_pages = static_cast<int>(ks.num_pages);
-  }
-  const FwdDevice device = fwd_device(q);
-  const Switches& sw = switches();
-  if (decode_applies(p, bucket, device, sw)) {
-    p.plan = plan_decode(p, bucket, device.num_sms, num_splits, sw);
-  } else if (fwd_wants_sm90(bucket, device, sw) &&
-             sm90_maps_kvcache(p, bucket, q.scalar_type() == at::kBFloat16, q.get_device())) {
-    p.plan = plan_fwd_sequences(p, bucket, device, num_splits, sw.decode_splits);
-  } else {
-    const std::string page_rule = ks.paged ? c10::str(", or pages of ", ks.page_size, " rows: it takes pages of a "
-                                                      "multiple of 8 rows that divide its key blocks (128 keys, 64 "
-                                                      "at D256) or that they divide")
-                                           : std::string();
-    TORCH_CHECK(sw.fwd_sm90 != Sm90Use::kStrict || !fwd_wants_sm90(bucket, device, sw), op,
-                ": FLASHATTN_FWD_SM90=strict, but the Hopper kernel cannot take these inputs (TMA cannot describe the "
-                "strides of q or the caches", page_rule, ")");
-    p.plan = plan_fwd_sm80(bucket, device, sw);
-  }
-  check_fits(p.plan, device, op);
   const at::Tensor workspace = attach_workspace(p, q, stream);
   const cudaError_t err = launch_fwd(p, q.scalar_type() == at::kBFloat16, bucket, stream);
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));

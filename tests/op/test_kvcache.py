@@ -673,6 +673,25 @@ def test_cuda_paged_chunk_each_kernel(head_dim, page_size, token_major, num_spli
         assert torch.equal(paged[0], dense[0]) and torch.equal(paged[1], dense[1])
 
 
+def strict_refusal_keeps_pages(page_size):
+    """A chunk that appends keys to `page_size`-row pages the Hopper kernel cannot box, under FLASHATTN_FWD_SM90=strict
+    (run in a process of its own): the call raises, and the pages keep their bits (the append runs only once the call
+    is known to run)."""
+    torch.manual_seed(0)
+    opts = dict(dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache = (torch.randn(2, 2, 768, 128, **opts) for _ in range(2))
+    *pages, block_table = cuda_pages(k_cache, v_cache, page_size)
+    before = [t.clone() for t in pages]
+    q, k, v = torch.randn(2, 8, 32, 128, **opts), *(torch.randn(2, 2, 4, 128, **opts) for _ in range(2))
+    try:
+        flashattn_ext.flash_attn_with_kvcache(q, pages[0], pages[1], k, v,
+                                              torch.tensor([100, 300], dtype=torch.int32, device="cuda"), block_table)
+    except RuntimeError as exc:
+        torch.cuda.synchronize()
+        return str(exc), all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pages, before))
+    return "taken", False
+
+
 @pytest.mark.cuda
 def test_cuda_pages_the_hopper_kernel_cannot_box():
     # 24-row pages neither divide the kernel's key blocks nor are divided by them: the portable kernel takes the
@@ -683,6 +702,8 @@ def test_cuda_pages_the_hopper_kernel_cannot_box():
         pytest.skip("the Hopper kernel's half (the portable one's passed)")
     with pytest.raises(RuntimeError, match="pages of 24 rows"):
         run_isolated({"FLASHATTN_FWD_SM90": "strict"}, "op.test_kvcache", "paged_chunks", 128, 24)
+    message, kept = run_isolated({"FLASHATTN_FWD_SM90": "strict"}, "op.test_kvcache", "strict_refusal_keeps_pages", 24)
+    assert "pages of 24 rows" in message and kept, message
 
 
 @pytest.mark.cuda
