@@ -682,8 +682,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
 
   const c10::cuda::CUDAGuard device_guard(q.device());
   // Zeroed: keys of a sequence without queries get 0 (and rows past cu_seqlens' last value stay 0).
-  at::Tensor dk = at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, k.options());
-  at::Tensor dv = at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, v.options());
+  const auto zero_key_grads = [&] { return at::zeros({vs.total_k, vs.heads_kv, vs.head_dim}, k.options()); };
   at::Tensor dsinks = at::zeros({mods.sinks.has_value() ? vs.heads : 0}, q.options().dtype(at::kFloat));
   if (vs.total_q == 0 || vs.total_k == 0 || vs.heads == 0 || vs.batch == 0) {
     // No keys anywhere: out is 0 and every row's lse its sink, so only the sinks get a gradient (through dlse). The
@@ -694,7 +693,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
           dlse.has_value() ? std::optional<at::Tensor>(dlse->unsqueeze(0)) : std::nullopt;
       dsinks = sink_grads(dense(dout), dense(out), lse.unsqueeze(0), dlse_dense, *mods.sinks, at::Tensor());
     }
-    return {at::zeros({vs.total_q, vs.heads, vs.head_dim}, q.options()), dk, dv, dsinks};
+    return {at::zeros({vs.total_q, vs.heads, vs.head_dim}, q.options()), zero_key_grads(), zero_key_grads(), dsinks};
   }
   const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
 
@@ -710,7 +709,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   // The (H, total_q) rows as one batch of total_q rows.
   const auto as_one_batch = [](const at::Tensor& rows) { return rows.permute({1, 0, 2}).unsqueeze(0); };
   const at::Tensor tile_counter = wants_sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
-  launch_bwd_preprocess(as_one_batch(dout_rows), as_one_batch(out_rows), dlse_rows, delta, dq_accum, tile_counter, op);
 
   BwdParams p{};
   p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.dout = dout_rows.data_ptr();
@@ -725,16 +723,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.lse = lse_rows.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
-  set_key_grads(p, as_one_batch(dk), as_one_batch(dv));
   set_bwd_schedule(p, tile_counter);
   // The Hopper sequences kernel where TMA can describe the packed tensors as one batch entry of all rows, with room
-  // for each sequence's maps; else the portable one.
+  // for each sequence's maps; else the portable one. Decided before anything is launched.
   BwdParams all_rows = p;
   all_rows.batch = 1;
   const bool sm90 = wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device());
   TORCH_CHECK((sw.bwd_sm90 != Sm90Use::kStrict && !large) || !wants_sm90 || sm90, op, ": the Hopper kernel cannot "
               "take these inputs (TMA cannot describe the strides of q, k, v or dout), and FLASHATTN_BWD_SM90=strict "
               "or the head dim (above ", kMaxFusedBwdSm80Bucket, ") leaves no other");
+  const at::Tensor dk = zero_key_grads(), dv = zero_key_grads();
+  set_key_grads(p, as_one_batch(dk), as_one_batch(dv));
+  launch_bwd_preprocess(as_one_batch(dout_rows), as_one_batch(out_rows), dlse_rows, delta, dq_accum, tile_counter, op);
   // Deterministic: dQ added in key-block order, semaphores per query block of each head (packed.h's slots; Hopper:
   // one per dQ writer), then a flag the kernels read: cu_seqlens that break their rules (computed on the device,
   // no synchronisation).

@@ -301,6 +301,19 @@ def test_fwd_batch_invariant(device, dtype, causal):
             assert not torch.equal(split_out[-1:], out[-1:])
 
 
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_fwd_expanded_keys_batch_invariant(device, dtype):
+    # Keys and values that every entry shares as an expanded view (batch stride 0, as a common prefix): each entry has
+    # the bits it has alone, whichever kernel the strides allow (a TMA map of a zero stride must not decide it).
+    gen = torch.Generator(device=device).manual_seed(0)
+    k, v = (torch.randn(1, 4, 300, 128, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    q = torch.randn(3, 4, 200, 128, device=device, dtype=dtype, generator=gen)
+    out, lse = fwd(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1), True)
+    for b in range(3):
+        alone = fwd(q[b : b + 1], k, v, True)
+        assert torch.equal(out[b : b + 1], alone[0]) and torch.equal(lse[b : b + 1], alone[1]), f"entry {b}"
+
+
 def switch_probe():
     """Run in a process with FLASHATTN_BATCH_INVARIANT set: whether a sequence last in a batch of 16 has the bits it has
     alone, with the default algorithms and then deterministic ones."""
