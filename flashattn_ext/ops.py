@@ -173,7 +173,8 @@ def flash_attn_with_kvcache(
         causal, scale, window_size, softcap, sinks: as in :func:`flash_attn`, per batch entry (bottom-right causal).
         num_splits: on CUDA, the number of key splits (0: chosen from the shape and the GPU's SM count, never from
             the batch size or the lengths, so results are batch-invariant): the decode path's (Lq <= 16) and, on
-            Hopper, the query chunks'; ignored elsewhere.
+            Hopper, the query chunks'; ignored elsewhere. At most 64 and the number of key blocks: larger values are
+            clamped.
         return_lse: also return lse (float32, (B, H, Lq)).
         cache_leftpad: int32 (B,), a dense cache only: entry b's keys start at ``cache_leftpad[b]`` (a left-padded
             batch, as batched generation pads prompts; default 0). Its keys are then ``cache_leftpad[b] ..
