@@ -10,6 +10,8 @@ Implementations, timed in --rounds interleaved rounds (bench_sdpa.py's method):
   kvcache   flash_attn_with_kvcache over a dense cache, every entry's valid length Lk (cache_seqlens)
   paged     the same over a paged cache (--page-size rows per page, pages in a random order)
   cudnn     scaled_dot_product_attention(enable_gqa=True), pinned to cuDNN
+--l2-clear read clears the L2 before each timed call by reading 256 MB instead of do_bench's write of them, whose
+dirty lines are otherwise written back during the call (the same for every implementation).
 --num-splits N fixes the key splits of kvcache and paged (the decode path's, or a chunk's on Hopper; a sweep: a run
 per N; 0 lets the shape and the GPU choose them).
 With --append, kvcache and paged also write one new token per call (k, v given, cache_seqlens Lk - 1): a decoding
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sdpa import ScoreMods, error_bound, import_flashattn_ext, make_timer, round_order  # noqa: E402
+from bench_sdpa import (GPU_REP_MS, GPU_WARMUP_MS, ScoreMods, error_bound, import_flashattn_ext,  # noqa: E402
+                        make_timer, round_order)
 
 IMPLS = ["plain", "kvcache", "paged", "cudnn"]
 
@@ -108,6 +111,40 @@ def check_outputs(outputs: dict, q, k_cache, v_cache, causal: bool) -> dict:
     return report
 
 
+_CLEAR_BUFFER = None  # 256 MB that read_cleared_median_ms reads
+
+
+def read_cleared_median_ms(fn) -> float:
+    """do_bench's timing (the median of single calls, each after the L2 is cleared) with the L2 cleared by reading 256
+    MB rather than writing them: the write leaves the L2 full of dirty lines, whose write-back then shares the DRAM with
+    the timed call (about 9 us a call at the 1 GiB points)."""
+    global _CLEAR_BUFFER
+    if _CLEAR_BUFFER is None:
+        _CLEAR_BUFFER = torch.ones(2**26, dtype=torch.float32, device="cuda")
+    buffer = _CLEAR_BUFFER
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        buffer.sum()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(GPU_WARMUP_MS / estimate_ms))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(GPU_REP_MS / estimate_ms)))]
+    for first, last in events:
+        buffer.sum()
+        first.record()
+        fn()
+        last.record()
+    torch.cuda.synchronize()
+    return statistics.median(first.elapsed_time(last) for first, last in events)
+
+
 def write_plot(path: Path, rows: list, rate: str) -> None:
     """Grouped bars: per point (kv heads, batch, keys), each implementation's rate ("tbs" or "tflops" columns)."""
     import matplotlib
@@ -150,11 +187,14 @@ def main(argv=None):
                         help="kvcache and paged: key splits (0: chosen from the shape)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--l2-clear", choices=["write", "read"], default="write",
+                        help="how the L2 is cleared before each timed call: do_bench's 256 MB write, or a 256 MB read "
+                             "(no dirty lines written back during the call)")
     args = parser.parse_args(argv)
     import_flashattn_ext()  # the installed package, else the in-place build
     import flashattn_ext as fa
 
-    timer, _ = make_timer("cuda")
+    timer = read_cleared_median_ms if args.l2_clear == "read" else make_timer("cuda")[0]
     rows = []
     failed = 0  # outputs above the check's bound
     # The rate printed and plotted: K/V bytes per second for decoding, FLOP/s for a chunk of queries.
@@ -199,7 +239,7 @@ def main(argv=None):
                         times[name].append(timer(fns[name]))
                 row = dict(heads=args.heads, heads_kv=heads_kv, head_dim=args.head_dim, dtype="bf16", batch=batch,
                            length=length, len_q=args.len_q, causal=args.causal, append=args.append,
-                           page_size=args.page_size, num_splits=args.num_splits)
+                           page_size=args.page_size, num_splits=args.num_splits, l2_clear=args.l2_clear)
                 cells = []
                 for name in IMPLS:
                     if name in times:
