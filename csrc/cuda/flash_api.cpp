@@ -725,7 +725,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_varlen_cuda(
   p.dq_accum = dq_accum.data_ptr<float>();
   set_bwd_schedule(p, tile_counter);
   // The Hopper sequences kernel where TMA can describe the packed tensors as one batch entry of all rows, with room
-  // for each sequence's maps; else the portable one. Decided before anything is launched.
+  // for each sequence's maps; else the portable one. Decided before the key gradients' zero fill and the preprocess.
   BwdParams all_rows = p;
   all_rows.batch = 1;
   const bool sm90 = wants_sm90 && tma_maps_inputs(all_rows, is_bf16, q.get_device());
