@@ -8,18 +8,21 @@
 The name has no "flash" in it: transformers 5 takes every attention implementation whose name contains "flash" for a
 FlashAttention package (or hub kernel) to import, and refuses the model when there is none.
 
-register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and the matching mask function to
+register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and :func:`attention_mask` to
 ``AttentionMaskInterface`` (FlashAttention's: no mask without padding, else the 2-D padding mask). The attention
 function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles: no
 mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are cut
 to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
-back; a static cache's keys cut to the mask's width, as transformers' own FlashAttention path does; a left-padded batch
-decoding over a KV cache (on Hopper also a chunk of any length), without gradients, reads the cache in place from each
-row's first real key); packed batches (``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or,
-for a batch of one row, ``position_ids`` where a sequence starts wherever a position is not the one before plus 1: read
-on the host, one synchronisation per layer); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and
-``is_causal``. On CUDA fp32 inputs run in the autocast dtype (else bf16) and the output comes back in the inputs' dtype.
-Dropout > 0 in training raises. transformers is imported lazily.
+back; under a causal mask or a window the queries are the keys' last positions, without either, as in a decoder's
+cross-attention, every query row stays and only the keys are unpadded; a static cache's keys cut to the mask's width,
+as transformers' own FlashAttention path does; a left-padded batch decoding over a KV cache (on Hopper also a chunk of
+any length), without gradients, reads the cache in place from each row's first real key); packed batches
+(``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or ``position_ids`` where a sequence starts
+at each row's start and wherever a position is not the one before plus 1: read on the host once per forward);
+``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32 inputs run in the
+autocast dtype (else bf16) and the output comes back in the inputs' dtype. Dropout > 0 in training, a position bias
+added to the scores (T5), chunked attention over more keys than a chunk and a model's own overlays on the mask (e.g.
+bidirectional image tokens) raise ValueError. transformers is imported lazily.
 
 Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims above 128
 only on Hopper; elsewhere a batch that needs their gradients goes through one dense call per sequence instead, which
@@ -38,16 +41,37 @@ from ..ops import flash_attn, flash_attn_varlen, flash_attn_with_kvcache
 
 NAME = "fa_ext"
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "attention_forward", "attention_mask", "register"]
 
 
 def register() -> None:
     """Register ``"fa_ext"`` (:data:`NAME`) with transformers' attention and attention-mask interfaces."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, attention_mask)
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function=None, attention_mask: Optional[Tensor] = None, config=None, use_vmap: bool = False,
+                   **kwargs) -> Optional[Tensor]:
+    """transformers' FlashAttention mask (None without padding, else the 2-D padding mask), refusing the patterns
+    it cannot carry, which transformers refuses only for implementations named "flash": chunked attention over more
+    keys than a chunk, and a model's own overlays on the mask (bidirectional image tokens or blocks: an `or_masks`
+    union, or the or_mask_function / and_mask_function that transformers builds element by element, use_vmap)."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and kv_length + kv_offset > chunk:
+        raise ValueError(f"{NAME}: chunked attention (attention_chunk_size={chunk}) over {kv_length + kv_offset} keys "
+                         "is not supported; use another attn_implementation")
+    if use_vmap or getattr(mask_function, "__qualname__", "").startswith("or_masks."):
+        raise ValueError(f"{NAME}: the model overlays its own pattern on the attention mask (e.g. bidirectional "
+                         "image tokens), which is not supported; use another attn_implementation")
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                mask_function if mask_function is not None else causal_mask_function, attention_mask,
+                                **kwargs)
 
 
 def _window(sliding_window: Optional[int], causal: bool) -> Tuple[int, int]:
@@ -88,15 +112,20 @@ def _read_once(source: Tensor, args: tuple, read):
     return value
 
 
-def _packed_by_positions(position_ids: Tensor, length: int) -> Optional[Tensor]:
-    """cu_seqlens (int32) of one row of `length` tokens that packs several sequences, as its position ids tell them (a
-    sequence starts wherever a position is not the one before plus 1, as transformers' masks read them), or None for
-    one sequence. Reads the positions on the host."""
-    positions = position_ids.reshape(-1)
-    starts = (positions[1:] != positions[:-1] + 1).nonzero().view(-1) + 1
-    if starts.numel() == 0:
+def _packed_by_positions(position_ids: Tensor, batch: int, length: int) -> Optional[Tensor]:
+    """cu_seqlens (int32) over the batch's rows of `length` tokens taken one after another, where some row packs
+    several sequences, as its position ids tell them (a sequence starts at each row's start and wherever a position is
+    not the one before plus 1, as transformers' masks read them); None where no row does. Reads the positions on the
+    host."""
+    positions = position_ids.reshape(-1, length)
+    if positions.shape[0] not in (1, batch):  # not one row of positions per batch row (e.g. multimodal axes)
         return None
-    return torch.cat([starts.new_zeros(1), starts, starts.new_tensor([length])]).to(torch.int32)
+    positions = positions.expand(batch, length)
+    inner = positions[:, 1:] != positions[:, :-1] + 1
+    if not bool(inner.any()):
+        return None
+    starts = torch.nn.functional.pad(inner, (1, 0), value=True).reshape(-1).nonzero().view(-1)
+    return torch.cat([starts, starts.new_tensor([batch * length])]).to(torch.int32)
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
@@ -174,6 +203,9 @@ def attention_forward(
 
 def _attention(query, key, value, attention_mask, causal, scaling, sliding_window, softcap, s_aux, **kwargs) -> Tensor:
     """attention_forward's work on inputs of a dtype the device takes: (B, Sq, H, D)."""
+    if kwargs.get("position_bias") is not None:  # T5's relative position bias, added to the scores
+        raise ValueError(f"{NAME}: a position bias added to the scores is not supported; use another "
+                         "attn_implementation")
     options = dict(
         causal=bool(causal),
         scale=scaling,
@@ -186,18 +218,17 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
-    if cu_q is None and attention_mask is None and position_ids is not None and batch == 1 and 1 < len_q == len_k:
-        cu_q = cu_k = _read_once(position_ids, (len_q,), _packed_by_positions)  # packed (without a KV cache)
-    if cu_q is not None:  # packed batch: (1, H, total, D)
+    if cu_q is None and attention_mask is None and position_ids is not None and 1 < len_q == len_k:
+        cu_q = cu_k = _read_once(position_ids, (batch, len_q), _packed_by_positions)  # packed (without a KV cache)
+    if cu_q is not None:  # packed sequences in the rows taken one after another: (B * S, H, D)
         cu_k = cu_q if cu_k is None else cu_k
-        out = _packed_call(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q.to(torch.int32),
-            cu_k.to(torch.int32), kwargs.get("max_length_q"), kwargs.get("max_length_k"), **options,
-        )
-        return out.unsqueeze(0)
+        rows = [t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (query, key, value)]
+        out = _packed_call(*rows, cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs.get("max_length_q"),
+                           kwargs.get("max_length_k"), **options)
+        return out.reshape(batch, len_q, heads, head_dim)
 
     if attention_mask is None:
-        if len_k > len_q and position_ids is not None:
+        if causal and len_k > len_q and position_ids is not None:
             # A KV cache; a static one holds slots not written yet past the valid keys, whose count the last query's
             # position tells (the dense op would see them). Read on the device, or on the host for a backward.
             last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1]
@@ -209,20 +240,27 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
         # the dense op; with a KV cache the queries are the last rows (bottom-right)
         return flash_attn(query, key, value, **options).transpose(1, 2)
 
-    # A 2-D padding mask (B, Sk) of the keys; the queries are the last Sq positions. Unpad, attend, pad back.
+    # A 2-D padding mask (B, Sk) of the keys; under a causal mask (or a window) the queries are its last Sq positions.
+    # Unpad, attend, pad back.
     if attention_mask.dim() != 2:
         raise ValueError(f"{NAME}: expected a 2-D padding mask (register() installs its mask function), got "
                          f"shape {tuple(attention_mask.shape)}")
     if attention_mask.shape[1] < len_k:  # a static cache: the slots past the mask's width are not written yet
         len_k = attention_mask.shape[1]
         key, value = key[:, :, :len_k], value[:, :, :len_k]
+    # Without a causal mask or a window no query depends on its position: every query row stays (a cross-attention's
+    # queries are not the keys' positions), and only the keys are unpadded.
+    all_queries = not causal and options["window_size"] == (-1, -1)
+    if not causal and not all_queries and len_q != len_k:
+        raise ValueError(f"{NAME}: a bidirectional sliding window over a padding mask needs as many queries as keys "
+                         f"(self-attention), got {len_q} and {len_k}")
     if len_k > len_q and _reads_cache_in_place(query, len_q) and not _needs_grad(query, key, value, options["sinks"]):
         # Decoding (or a chunk) over a KV cache of left-padded sequences (batched generation): read in place from each
         # entry's first real key.
         leftpad = _read_once(attention_mask, (len_q, len_k), _left_padding)
         if leftpad is not None:
             return flash_attn_with_kvcache(query, key, value, cache_leftpad=leftpad, **options).transpose(1, 2)
-    (rows_q, index_q, cu_q), (rows_k, _, cu_k) = _read_once(attention_mask, (len_q, len_k), _unpadding)
+    (rows_q, index_q, cu_q), (rows_k, _, cu_k) = _read_once(attention_mask, (len_q, len_k, all_queries), _unpadding)
     # The real rows only, gathered straight from the (B, H, S, D) views: one copy of them, not of the whole cache.
     q = query.transpose(1, 2)[rows_q]
     k, v = key.transpose(1, 2)[rows_k], value.transpose(1, 2)[rows_k]
@@ -243,13 +281,13 @@ def _left_padding(attention_mask: Tensor, len_q: int, len_k: int) -> Optional[Te
     return first.to(torch.int32) if bool(left_padded) else None
 
 
-def _unpadding(attention_mask: Tensor, len_q: int, len_k: int):
-    """For the queries (the last len_q positions) and the keys (the last len_k) of a padding mask: the real rows as
-    (batch, position) index tensors, their index in the flattened (B, S), and cu_seqlens. Reads the mask on the host
-    (one synchronisation; two with a KV cache)."""
+def _unpadding(attention_mask: Tensor, len_q: int, len_k: int, all_queries: bool = False):
+    """For the queries (the last len_q positions, or every query row with `all_queries`) and the keys (the last len_k)
+    of a padding mask: the real rows as (batch, position) index tensors, their index in the flattened (B, S), and
+    cu_seqlens. Reads the mask on the host (one synchronisation; two with a KV cache)."""
     mask_k = attention_mask[:, -len_k:].bool()
-    mask_q = mask_k[:, -len_q:]
+    mask_q = mask_k.new_ones(mask_k.shape[0], len_q) if all_queries else mask_k[:, -len_q:]
     index_k = mask_k.reshape(-1).nonzero().view(-1)
-    index_q = index_k if len_q == len_k else mask_q.reshape(-1).nonzero().view(-1)
+    index_q = index_k if len_q == len_k and not all_queries else mask_q.reshape(-1).nonzero().view(-1)
     return tuple(((index // length, index % length), index, _cu_seqlens(mask.sum(1)))
                  for index, length, mask in ((index_q, len_q, mask_q), (index_k, len_k, mask_k)))

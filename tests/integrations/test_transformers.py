@@ -141,7 +141,7 @@ def test_left_padded_generation_reads_the_cache_in_place(monkeypatch):
     kvcache, unpadding = fa_hf.flash_attn_with_kvcache, fa_hf._unpadding
     monkeypatch.setattr(fa_hf, "flash_attn_with_kvcache",
                         lambda *a, **kw: leftpads.append(kw.get("cache_leftpad")) or kvcache(*a, **kw))
-    monkeypatch.setattr(fa_hf, "_unpadding", lambda *a: gathered.append(a[1:]) or unpadding(*a))
+    monkeypatch.setattr(fa_hf, "_unpadding", lambda *a: gathered.append(a[1:3]) or unpadding(*a))
     model = model_pair("llama")
     model.set_attn_implementation(fa_hf.NAME)
     ids, mask = padded_batch()
@@ -246,6 +246,89 @@ def test_packed_keys_longer_than_queries():
         rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
         want = flashattn_ext.flash_attn(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=True)
         torch.testing.assert_close(got[:, rows], want.transpose(1, 2))
+
+
+@pytest.mark.parametrize("len_q", [5, 9, 13], ids=["fewer-queries", "as-many", "more-queries"])
+def test_cross_attention_keeps_every_query(len_q):
+    # Without a causal mask the padding mask is the keys' alone (an encoder's, in a decoder's cross-attention): every
+    # query row attends over its entry's real keys, whatever the query and key lengths.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, len_q, 16), torch.randn(3, 2, 9, 16), torch.randn(3, 2, 9, 16)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding, as a padded encoder batch has it
+    mask[2, :4] = 0  # left padding
+    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, is_causal=False)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.bool()[:, None, None, :],
+                                                            enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=1e-4)
+
+
+def test_encoder_decoder_logits_match_eager():
+    # BART: the decoder's cross-attention over a right-padded encoder batch.
+    if not hasattr(transformers, "BartConfig"):
+        pytest.skip("this transformers has no BART")
+    config = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config, attn_implementation="eager").eval()
+    ids = torch.randint(3, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    decoder_ids = torch.randint(3, 128, (2, 5))
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+        model.set_attn_implementation(fa_hf.NAME)
+        got = model(ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_positions_in_several_rows():
+    # Position ids that restart inside rows of a batch of two (use_cache off, no mask): each sequence alone.
+    model = model_pair("llama")
+    model.set_attn_implementation(fa_hf.NAME)
+    torch.manual_seed(4)
+    rows = [[7, 5], [3, 9]]  # sequence lengths per row: 12 tokens each
+    ids = torch.randint(0, 128, (2, 12))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    with torch.no_grad():
+        got = model(ids, position_ids=positions, use_cache=False).logits
+        for b, row in enumerate(rows):
+            start = 0
+            for n in row:
+                alone = model(ids[b : b + 1, start : start + n]).logits[0]
+                torch.testing.assert_close(got[b, start : start + n], alone, atol=2e-5, rtol=1e-4)
+                start += n
+
+
+def test_keys_past_the_queries_without_causal_are_all_seen():
+    # Without a causal mask, keys beyond the queries are not a KV cache to cut by the positions: every key is seen.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 4, 10, 16), torch.randn(2, 4, 10, 16)
+    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=False,
+                                     position_ids=torch.arange(3)[None])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=1e-4)
+
+
+def test_what_the_kernels_cannot_carry_raises():
+    # A position bias added to the scores (T5), chunked attention past a chunk, and a model's own overlays on the
+    # mask raise rather than compute another function (transformers refuses them only for "flash" names).
+    q = torch.randn(1, 4, 6, 16)
+    with pytest.raises(ValueError, match="position bias"):
+        fa_hf.attention_forward(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1, 4, 6, 6))
+    masks = transformers.masking_utils
+    chunked = types.SimpleNamespace(attention_chunk_size=4)
+    with pytest.raises(ValueError, match="chunked attention"):
+        fa_hf.attention_mask(1, 6, 6, config=chunked)
+    assert fa_hf.attention_mask(1, 4, 4, config=chunked) is None  # within one chunk: plain causal
+    with pytest.raises(ValueError, match="overlays"):
+        fa_hf.attention_mask(1, 6, 6, use_vmap=True)
+    union = masks.or_masks(masks.causal_mask_function, masks.bidirectional_mask_function)
+    with pytest.raises(ValueError, match="overlays"):
+        fa_hf.attention_mask(1, 6, 6, mask_function=union)
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    assert torch.equal(fa_hf.attention_mask(1, 6, 6, attention_mask=padding.bool()), padding.bool())
 
 
 def test_dropout_in_training_raises():
