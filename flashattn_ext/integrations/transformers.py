@@ -158,10 +158,16 @@ def _packed_backward_takes(q: Tensor) -> bool:
     return q.shape[-1] <= 128 or _hopper_kernels(q.device, "FLASHATTN_BWD_SM90")
 
 
+def _per_sequence_calls(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a packed batch runs as one dense call per sequence: on CUDA, where its backward needs what the packed
+    one lacks."""
+    return q.device.type == "cuda" and _needs_grad(q, k, v) and not _packed_backward_takes(q)
+
+
 def _packed_call(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs) -> Tensor:
-    """flash_attn_varlen on (total, H, D) tensors, or one dense call per sequence (lengths read on the host) where a
-    CUDA backward would need what the packed one lacks."""
-    if q.device.type != "cuda" or not _needs_grad(q, k, v) or _packed_backward_takes(q):
+    """flash_attn_varlen on (total, H, D) tensors, or one dense call per sequence (lengths read on the host) where
+    _per_sequence_calls says so."""
+    if not _per_sequence_calls(q, k, v):
         return flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
     out = torch.empty_like(q)
     bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()

@@ -86,9 +86,9 @@ def test_activation_is_harmless_on_cpu():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sdpa_is_our_kernel(head_dim, causal, heads_kv, layout):
     q, k, v = make_qkv(2, 8, heads_kv, 300, 300, head_dim, torch.bfloat16, "cuda", layout=layout)
-    want = flashattn_ext.flash_attn(q, k, v, causal=causal)
+    want = flashattn_ext.flash_attn(q, k, v, causal=causal, scale=0.3)  # not the default: SDPA's scale must carry
     with activated():
-        got = flash_sdpa(q, k, v, is_causal=causal, enable_gqa=heads_kv != 8)
+        got = flash_sdpa(q, k, v, is_causal=causal, enable_gqa=heads_kv != 8, scale=0.3)
         assert ours_ran() == 1
     assert got.stride() == q.stride()  # the layout aten's meta function promises
     assert torch.equal(got, want)
@@ -99,13 +99,14 @@ def test_sdpa_is_our_kernel(head_dim, causal, heads_kv, layout):
 def test_sdpa_grads(causal):
     q, k, v = leaves(*make_qkv(2, 4, 4, 257, 257, 128, torch.bfloat16, "cuda", layout="seq_major"))
     with activated():
-        out = flash_sdpa(q, k, v, is_causal=causal)
+        out = flash_sdpa(q, k, v, is_causal=causal, scale=0.3)
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         assert ours_ran("_scaled_dot_product_flash_attention_backward") == 1
     for grad, like in zip(grads, (q, k, v)):
         assert grad.stride() == like.stride()
-    assert_grads_close(tuple(g.contiguous() for g in grads), q.detach(), k.detach(), v.detach(), dout, None, causal)
+    assert_grads_close(tuple(g.contiguous() for g in grads), q.detach(), k.detach(), v.detach(), dout, None, causal,
+                       scale=0.3)
 
 
 @pytest.mark.cuda
@@ -161,11 +162,11 @@ def test_varlen_attn(window):
     total = sum(lengths)
     q, k, v = leaves(*(torch.randn(total, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3)))
     causal = window[1] == 0
-    ours = flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=causal, window_size=window)
+    ours = flashattn_ext.flash_attn_varlen(q, k, v, cu, cu, causal=causal, window_size=window, scale=0.3)
     dout = torch.randn_like(ours)
     want_grads = torch.autograd.grad(ours, (q, k, v), dout)
     with activated():
-        got = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window)
+        got = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=window, scale=0.3)
         grads = torch.autograd.grad(got, (q, k, v), dout)
         assert ours_ran("_flash_attention_forward") == 1 and ours_ran("_flash_attention_backward") == 1
     assert torch.equal(got, ours)

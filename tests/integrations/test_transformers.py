@@ -28,8 +28,9 @@ def configs():
         "mistral": ("MistralConfig", dict(sliding_window=8)),
         "qwen2": ("Qwen2Config", {}),
         # Weights large enough for scores that the cap bends (at 0.02 it moved the logits by 3e-6).
+        # query_pre_attn_scalar 4: a scaling that is not the op's default (1 / sqrt(head_dim)).
         "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
-                                        query_pre_attn_scalar=16, initializer_range=0.1)),
+                                        query_pre_attn_scalar=4, initializer_range=0.1)),
         "gptoss": ("GptOssConfig", dict(head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                         sliding_window=8)),
     }
@@ -43,7 +44,8 @@ def configs():
 CONFIGS = configs()
 # The settings of a family that our path must carry: dropping one changes the eager logits (test_settings_bind).
 SETTINGS = [(name, setting) for name, setting in [("mistral", "sliding_window"), ("gemma2", "sliding_window"),
-                                                    ("gemma2", "attn_logit_softcapping"), ("gptoss", "sliding_window")]
+                                                    ("gemma2", "attn_logit_softcapping"),
+                                                    ("gemma2", "query_pre_attn_scalar"), ("gptoss", "sliding_window")]
             if name in CONFIGS]
 
 
@@ -60,7 +62,8 @@ def test_settings_bind(name, setting):
     # logits move by far more than those tests' tolerance.
     ids, mask = padded_batch()
     logits = []
-    off = {"sliding_window": 4096, "attn_logit_softcapping": None}[setting]  # a window longer than the batch: none
+    # a window longer than the batch: none; the scaling of the head dim (16): the default
+    off = {"sliding_window": 4096, "attn_logit_softcapping": None, "query_pre_attn_scalar": 16}[setting]
     for config in (CONFIGS[name], type(CONFIGS[name])(**{**CONFIGS[name].to_dict(), setting: off})):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -233,6 +236,41 @@ def test_bidirectional_sliding_window_is_transformers_mask():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_bidirectional_sliding_window_over_padding():
+    # An encoder's sliding window over a padded batch: the real rows see the real keys within the window (both
+    # unpadded, positions kept relative); with fewer queries than keys it raises (no self-attention to follow).
+    overlay = getattr(transformers.masking_utils, "sliding_window_bidirectional_overlay", None)
+    if overlay is None:
+        pytest.skip("this transformers has no bidirectional sliding window")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 20, 16) for _ in range(3))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, 14:] = 0  # right padding
+    mask[2, :5] = 0  # left padding
+    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, sliding_window=3, is_causal=False)
+    allowed = overlay(3)
+    band = torch.tensor([[bool(allowed(0, 0, i, j)) for j in range(20)] for i in range(20)])
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band & mask.bool()[:, None, None, :])
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want.transpose(1, 2)[real], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="bidirectional sliding window"):
+        fa_hf.attention_forward(torch.nn.Module(), q[:, :, :5], k, v, mask, sliding_window=3, is_causal=False)
+
+
+def test_an_edited_mask_is_read_again():
+    # The host reading of a mask is kept for the next layers only while the mask is unchanged: edited in place, it is
+    # read again.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 10, 16) for _ in range(3))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    first, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, is_causal=True)
+    mask[1, :6] = 0
+    again, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, is_causal=True)
+    fresh, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask.clone(), is_causal=True)
+    assert not torch.equal(first, again) and torch.equal(again, fresh)
+
+
 def test_packed_keys_longer_than_queries():
     # cu_seq_lens_k may differ from cu_seq_lens_q (each sequence's queries its last rows): every sequence attends
     # bottom-right over its own keys.
@@ -338,9 +376,12 @@ def test_dropout_in_training_raises():
         model(torch.randint(0, 128, (1, 8)))
 
 
-def test_training_step_gradients_match_eager():
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["packed", "per-sequence"])
+def test_training_step_gradients_match_eager(per_sequence, monkeypatch):
     # Right padding, as training batches have it: no real label is predicted from a padded position (whose output
-    # differs between the paths and reaches no real token).
+    # differs between the paths and reaches no real token). per-sequence: the padded batch as one dense call per
+    # sequence, the route of a CUDA backward that the packed kernels cannot take (forced here on the CPU).
+    monkeypatch.setattr(fa_hf, "_per_sequence_calls", lambda q, k, v: per_sequence)
     model = model_pair("llama").train()
     ids, mask = padded_batch()
     mask = mask.flip(1)
