@@ -8,21 +8,21 @@
 The name has no "flash" in it: transformers 5 takes every attention implementation whose name contains "flash" for a
 FlashAttention package (or hub kernel) to import, and refuses the model when there is none.
 
-register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and :func:`attention_mask` to
+register() adds :func:`attention_forward` to transformers' ``AttentionInterface`` and :func:`padding_mask` to
 ``AttentionMaskInterface`` (FlashAttention's: no mask without padding, else the 2-D padding mask). The attention
 function takes what transformers passes, (B, H, S, D) inputs, and returns (B, S, H, D) and no weights. It handles: no
 mask (the dense op, bottom-right causal, which is what generation with a KV cache needs; a static cache's keys are cut
 to the valid ones that ``position_ids`` tell, on the device); padding masks (unpadded to packed sequences and padded
 back; under a causal mask or a window the queries are the keys' last positions, without either, as in a decoder's
-cross-attention, every query row stays and only the keys are unpadded; a static cache's keys cut to the mask's width,
-as transformers' own FlashAttention path does; a left-padded batch decoding over a KV cache (on Hopper also a chunk of
-any length), without gradients, reads the cache in place from each row's first real key); packed batches
-(``cu_seq_lens_q`` / ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or ``position_ids`` where a sequence starts
-at each row's start and wherever a position is not the one before plus 1: read on the host once per forward);
-``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32 inputs run in the
-autocast dtype (else bf16) and the output comes back in the inputs' dtype. Dropout > 0 in training, a position bias
-added to the scores (T5), chunked attention over more keys than a chunk and a model's own overlays on the mask (e.g.
-bidirectional image tokens) raise ValueError. transformers is imported lazily.
+cross-attention, every query row stays and only the keys are unpadded; a static cache's keys cut to the mask's width, as
+transformers' own FlashAttention path does; a left-padded batch decoding over a KV cache (on Hopper also a chunk of any
+length), without gradients, reads the cache in place from each row's first real key); packed batches (``cu_seq_lens_q``
+/ ``cu_seq_lens_k`` from ``DataCollatorWithFlattening``, or ``position_ids`` where a sequence starts at each row's start
+and wherever a position is not the one before plus 1: read on the host once per forward; under torch.compile in a batch
+of one row only); ``sliding_window``, ``softcap``, ``s_aux`` (sinks), GQA, ``scaling`` and ``is_causal``. On CUDA fp32
+inputs run in the autocast dtype (else bf16) and the output comes back in the inputs' dtype. Dropout > 0 in training, a
+position bias added to the scores (T5), chunked attention over more keys than a chunk and a model's own overlays on the
+mask (e.g. bidirectional image tokens) raise ValueError. transformers is imported lazily.
 
 Padded and packed batches run as packed sequences in one call. On CUDA the packed backward takes head dims above 128
 only on Hopper; elsewhere a batch that needs their gradients goes through one dense call per sequence instead, which
@@ -41,7 +41,7 @@ from ..ops import flash_attn, flash_attn_varlen, flash_attn_with_kvcache
 
 NAME = "fa_ext"
 
-__all__ = ["NAME", "attention_forward", "attention_mask", "register"]
+__all__ = ["NAME", "attention_forward", "padding_mask", "register"]
 
 
 def register() -> None:
@@ -50,12 +50,12 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, attention_mask)
+    AttentionMaskInterface.register(NAME, padding_mask)
 
 
-def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                   mask_function=None, attention_mask: Optional[Tensor] = None, config=None, use_vmap: bool = False,
-                   **kwargs) -> Optional[Tensor]:
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: Optional[Tensor] = None, config=None, use_vmap: bool = False,
+                 **kwargs) -> Optional[Tensor]:
     """transformers' FlashAttention mask (None without padding, else the 2-D padding mask), refusing the patterns
     it cannot carry, which transformers refuses only for implementations named "flash": chunked attention over more
     keys than a chunk, and a model's own overlays on the mask (bidirectional image tokens or blocks: an `or_masks`
@@ -224,8 +224,11 @@ def _attention(query, key, value, attention_mask, causal, scaling, sliding_windo
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     position_ids = kwargs.get("position_ids")
-    if cu_q is None and attention_mask is None and position_ids is not None and 1 < len_q == len_k:
-        cu_q = cu_k = _read_once(position_ids, (batch, len_q), _packed_by_positions)  # packed (without a KV cache)
+    # Packed rows (without a KV cache); under torch.compile in a batch of one row only, as before rows were read
+    # (the reading is a data-dependent branch, which a compiled batch of several rows would have to break on).
+    if (cu_q is None and attention_mask is None and position_ids is not None and 1 < len_q == len_k
+            and (batch == 1 or not torch.compiler.is_compiling())):
+        cu_q = cu_k = _read_once(position_ids, (batch, len_q), _packed_by_positions)
     if cu_q is not None:  # packed sequences in the rows taken one after another: (B * S, H, D)
         cu_k = cu_q if cu_k is None else cu_k
         rows = [t.transpose(1, 2).reshape(-1, t.shape[1], head_dim) for t in (query, key, value)]

@@ -358,15 +358,15 @@ def test_what_the_kernels_cannot_carry_raises():
     masks = transformers.masking_utils
     chunked = types.SimpleNamespace(attention_chunk_size=4)
     with pytest.raises(ValueError, match="chunked attention"):
-        fa_hf.attention_mask(1, 6, 6, config=chunked)
-    assert fa_hf.attention_mask(1, 4, 4, config=chunked) is None  # within one chunk: plain causal
+        fa_hf.padding_mask(1, 6, 6, config=chunked)
+    assert fa_hf.padding_mask(1, 4, 4, config=chunked) is None  # within one chunk: plain causal
     with pytest.raises(ValueError, match="overlays"):
-        fa_hf.attention_mask(1, 6, 6, use_vmap=True)
+        fa_hf.padding_mask(1, 6, 6, use_vmap=True)
     union = masks.or_masks(masks.causal_mask_function, masks.bidirectional_mask_function)
     with pytest.raises(ValueError, match="overlays"):
-        fa_hf.attention_mask(1, 6, 6, mask_function=union)
+        fa_hf.padding_mask(1, 6, 6, mask_function=union)
     padding = torch.tensor([[0, 1, 1, 1, 1, 1]])
-    assert torch.equal(fa_hf.attention_mask(1, 6, 6, attention_mask=padding.bool()), padding.bool())
+    assert torch.equal(fa_hf.padding_mask(1, 6, 6, attention_mask=padding.bool()), padding.bool())
 
 
 def test_dropout_in_training_raises():
