@@ -221,40 +221,31 @@ def test_a_padding_mask_is_read_once_per_forward(name, monkeypatch):
     assert 1 <= first <= 2 and len(reads) == 2 * first, reads
 
 
-def test_bidirectional_sliding_window_is_transformers_mask():
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_bidirectional_sliding_window_is_transformers_mask(padded):
     # An encoder's sliding window (is_causal False) keeps the keys within it on both sides, as transformers' own
-    # bidirectional overlay does (|q - kv| <= W); the causal language models above never take this branch.
-    overlay = getattr(transformers.masking_utils, "sliding_window_bidirectional_overlay", None)
-    if overlay is None:
-        pytest.skip("this transformers has no bidirectional sliding window")
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 20, 16) for _ in range(3))
-    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=3, is_causal=False)
-    allowed = overlay(3)
-    mask = torch.tensor([[bool(allowed(0, 0, i, j)) for j in range(20)] for i in range(20)])
-    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-
-
-def test_bidirectional_sliding_window_over_padding():
-    # An encoder's sliding window over a padded batch: the real rows see the real keys within the window (both
-    # unpadded, positions kept relative); with fewer queries than keys it raises (no self-attention to follow).
+    # bidirectional overlay does (|q - kv| <= W); the causal language models above never take this branch. Over a
+    # padded batch the real rows see the real keys within the window (both unpadded, positions kept relative), and
+    # fewer queries than keys raise (no self-attention to follow).
     overlay = getattr(transformers.masking_utils, "sliding_window_bidirectional_overlay", None)
     if overlay is None:
         pytest.skip("this transformers has no bidirectional sliding window")
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, 20, 16) for _ in range(3))
     mask = torch.ones(3, 20, dtype=torch.long)
-    mask[1, 14:] = 0  # right padding
-    mask[2, :5] = 0  # left padding
-    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, sliding_window=3, is_causal=False)
+    if padded:
+        mask[1, 14:] = 0  # right padding
+        mask[2, :5] = 0  # left padding
+    got, _ = fa_hf.attention_forward(torch.nn.Module(), q, k, v, mask if padded else None, sliding_window=3,
+                                     is_causal=False)
     allowed = overlay(3)
     band = torch.tensor([[bool(allowed(0, 0, i, j)) for j in range(20)] for i in range(20)])
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band & mask.bool()[:, None, None, :])
     real = mask.bool()
     torch.testing.assert_close(got[real], want.transpose(1, 2)[real], atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="bidirectional sliding window"):
-        fa_hf.attention_forward(torch.nn.Module(), q[:, :, :5], k, v, mask, sliding_window=3, is_causal=False)
+    if padded:
+        with pytest.raises(ValueError, match="bidirectional sliding window"):
+            fa_hf.attention_forward(torch.nn.Module(), q[:, :, :5], k, v, mask, sliding_window=3, is_causal=False)
 
 
 def test_an_edited_mask_is_read_again():
