@@ -10,7 +10,9 @@ installed torch has it) and never activates it. Activation installs CUDA kernels
 flash backend: ``aten::_scaled_dot_product_flash_attention`` and ``aten::_flash_attention_forward`` (dense and packed,
 with window sizes) and their backwards. Each returns what aten's meta functions promise (outputs and gradients in the
 inputs' layouts, lse (B, H, Lq) or (H, total_q), zero rng state), so torch.compile and CUDA graphs work as with
-PyTorch's kernel.
+PyTorch's kernel. A row that sees no key has lse -inf (PyTorch's kernel writes +inf there; both backwards read either
+as no keys). Code that calls aten's kernels without the dispatcher (AOTInductor, Inductor's ``cpp_wrapper``) runs
+PyTorch's kernel, as with any provider.
 
 Semantics are the flash backend's: ``is_causal`` aligned bottom-right where Lq != Lk (FlashAttention's rule; SDPA
 routes causal calls with Lq != Lk elsewhere), GQA where kv has fewer heads, windows as (left, right) with -1
@@ -55,6 +57,9 @@ class _Handle:
             self.library = None
 
 
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
+
+
 def _install() -> _Handle:
     originals = {op: torch.library.get_kernel(f"aten::{op}", "CUDA") for op in _OPS}
     calls.clear()
@@ -64,7 +69,10 @@ def _install() -> _Handle:
             reason = unsupported(*args, **kwargs)
             if reason is None:
                 calls[(op, NAME)] += 1
-                return ours(*args, **kwargs)
+                # aten's flash ops have no autocast rule, so autocast is still on here: our ops' own rule would cast
+                # the inputs to its dtype (fp16 in, bf16 out under a bf16 autocast), which aten's kernel never does.
+                with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+                    return ours(*args, **kwargs)
             calls[(op, "fallback")] += 1
             return originals[op].call_boxed(keyset, *args, **kwargs)
         return kernel
@@ -170,7 +178,8 @@ def _rows(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _window(left, right):
-    return [-1 if left is None else int(left), -1 if right is None else int(right)]
+    """aten's window sizes as our op takes them: PyTorch's flash kernel reads any negative size as unbounded."""
+    return [-1 if x is None or x < 0 else int(x) for x in (left, right)]
 
 
 def _rng_state(device):
