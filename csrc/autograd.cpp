@@ -65,7 +65,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> output_grads(const variable_li
   at::Tensor dout = grads[0];
   if (!dout.defined()) {
     dout = at::zeros_like(out);
-  } else if (dout.stride(-1) != 1) {
+  } else if (dout.sym_stride(-1) != 1) {  // sym_: under tracing the other strides may be known only at run time
     dout = dout.contiguous();
   }
   const at::Tensor& dlse = grads[1];

@@ -12,6 +12,14 @@ __all__ = [
 ]
 
 
+def _pair(window_size) -> list:
+    """window_size as the ops take it (a list; they check its length and entries)."""
+    try:
+        return list(window_size)
+    except TypeError:
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+
+
 def flash_attn_with_lse(
     q: Tensor,
     k: Tensor,
@@ -25,7 +33,7 @@ def flash_attn_with_lse(
     """Like :func:`flash_attn`, but also returns ``lse`` (float32, (B, H, Lq)): the natural-log logsumexp
     of each row of (capped) scores and its sink (``-inf`` exactly for a row that sees no key and has no sink; NaN for
     a row whose softmax is NaN). Both outputs are differentiable."""
-    return torch.ops.flashattn.fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)
+    return torch.ops.flashattn.fwd(q, k, v, causal, scale, _pair(window_size), softcap, sinks)
 
 
 def flash_attn(
@@ -74,7 +82,7 @@ def flash_attn(
     Returns:
         out: (B, H, Lq, D), the dtype of ``q``.
     """
-    return torch.ops.flashattn.fwd(q, k, v, causal, scale, list(window_size), softcap, sinks)[0]
+    return torch.ops.flashattn.fwd(q, k, v, causal, scale, _pair(window_size), softcap, sinks)[0]
 
 
 def flash_attn_varlen_with_lse(
@@ -94,7 +102,7 @@ def flash_attn_varlen_with_lse(
     """Like :func:`flash_attn_varlen`, but also returns ``lse``: float32 (H, total_q), each row's logsumexp as in
     :func:`flash_attn_with_lse`. Both outputs are differentiable."""
     return torch.ops.flashattn.fwd_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, list(window_size), softcap,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, _pair(window_size), softcap,
         sinks,
     )
 
@@ -187,7 +195,7 @@ def flash_attn_with_kvcache(
     (out, lse).
     """
     out, lse = torch.ops.flashattn.fwd_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, list(window_size), softcap, sinks,
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, _pair(window_size), softcap, sinks,
         num_splits, cache_leftpad,
     )
     return (out, lse) if return_lse else out
@@ -199,11 +207,19 @@ def flash_attn_with_kvcache(
 def _output_like(t):
     """An output in the layout of input `t`, as the kernels allocate it (csrc/api/layouts.h): torch.empty_like's strides
     where the kernels can take them (over the dimensions of more than one element: the last 1, the others multiples
-    of 8), else (and for an empty tensor) contiguous."""
+    of 8), else (and for an empty tensor) contiguous. A size known only at run time (an unbacked one under
+    torch.compile: a length from .item() or a boolean mask) is taken as non-empty and above one, and a stride whose
+    alignment cannot be decided as unaligned, so that tracing never guards on data."""
+    try:  # imported here: the fake kernels run under tracing, which has loaded it (an import at ours costs 0.3 s)
+        from torch.fx.experimental.symbolic_shapes import guard_or_false as if_known_true
+        from torch.fx.experimental.symbolic_shapes import guard_or_true as unless_known_false
+    except ImportError:  # an older torch: plain bools (a data-dependent length then fails to trace)
+        if_known_true = unless_known_false = bool
     out = torch.empty_like(t)
     last = t.dim() - 1
-    if t.numel() > 0 and all(s == 1 if d == last else s % 8 == 0
-                             for d, (n, s) in enumerate(zip(t.shape, out.stride())) if n > 1):
+    if unless_known_false(t.numel() > 0) and all(
+            if_known_true(s == 1 if d == last else s % 8 == 0)
+            for d, (n, s) in enumerate(zip(t.shape, out.stride())) if unless_known_false(n > 1)):
         return out
     return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 

@@ -67,6 +67,29 @@ def test_compile_fullgraph(device, dtype):
         torch.testing.assert_close(lse, expected_lse)
 
 
+@pytest.mark.dtypes(cpu=[torch.float32], cuda=[torch.bfloat16])
+def test_compile_data_dependent_length(device, dtype):
+    # Queries picked by a boolean mask (a length known only at run time): the fake kernels must not guard on it, and
+    # out keeps q's sequence-major layout, as the kernel gives it.
+    torch._dynamo.reset()
+    x = torch.randn(2, 6, 2, 8, device=device, dtype=dtype, requires_grad=True)
+    keep = torch.tensor([True, True, True, False, True, False], device=device)
+
+    def loss(x, keep):
+        q = x[0][keep].unsqueeze(0).transpose(1, 2)  # (1, H, kept, D) over (1, kept, H, D) memory
+        out = flashattn_ext.flash_attn(q, q, q, causal=True)
+        return (out * torch.arange(8, device=x.device)).sum(), out.stride()
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(loss, fullgraph=True)
+        got, got_stride = compiled(x, keep)
+    grad = torch.autograd.grad(got, x)[0]
+    want, want_stride = loss(x, keep)
+    assert got_stride == want_stride
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, x)[0])
+
+
 class TinyAttention(torch.nn.Module):
     """Projections around flash_attn with GQA (4 query heads, 2 kv heads): a training step has grads to check."""
 

@@ -1,6 +1,7 @@
 """Sliding windows, softcap and sinks: forward and gradients against the fp64/fp32 naive reference on every device
 (reference.py's accuracy rule), the rows they leave without keys, and their argument checks."""
 import math
+import re
 
 import pytest
 import torch
@@ -483,6 +484,13 @@ def test_bad_mods(device, kwargs, message):
         kwargs = dict(kwargs, sinks=kwargs["sinks"].to(device))
     with pytest.raises(RuntimeError, match=message):
         fwd(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("window_size", [None, 3])
+def test_window_not_a_pair(window_size):
+    q, k, v = make_qkv(1, 4, 2, 8, 8, 32, torch.float32, "cpu")
+    with pytest.raises(TypeError, match=re.escape(f"window_size must be a pair (left, right), got {window_size}")):
+        flashattn_ext.flash_attn(q, k, v, window_size=window_size)
 
 
 @pytest.mark.cuda
