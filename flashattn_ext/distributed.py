@@ -131,6 +131,14 @@ class _Ring:
         for request in pending[0]:
             request.wait()
 
+    @staticmethod
+    def drain(*pending) -> None:
+        """Waits for the exchanges in flight when a step raised: every rank posted them, so they complete, and the
+        group stays in step for the next call (an exchange left unwaited would pair with the next call's)."""
+        for each in pending:
+            if each is not None:
+                _Ring.finish(each)
+
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
@@ -145,14 +153,18 @@ class _RingAttention(torch.autograd.Function):
             pending = None
             if step + 1 < ring.world:
                 incoming, pending = ring.start(kv)
-            for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2], left,
-                                                              right):
-                # The sinks join each row's denominator once: in its own chunk's block (never cut).
-                part_out, part_lse = flash_attn_with_lse(
-                    q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], False, scale, window, softcap,
-                    sinks if own_chunk else None,
-                )
-                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+            try:
+                for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2],
+                                                                  left, right):
+                    # The sinks join each row's denominator once: in its own chunk's block (never cut).
+                    part_out, part_lse = flash_attn_with_lse(
+                        q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], False, scale, window, softcap,
+                        sinks if own_chunk else None,
+                    )
+                    out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+            except BaseException:
+                ring.drain(pending)
+                raise
             if pending is not None:
                 ring.finish(pending)
                 kv = incoming
@@ -166,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         left, right, scale, softcap, group, layout = ctx.options
         ring = _Ring(group)
-        dout = dout.contiguous()
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # the op takes rows of any stride
         deterministic = torch.are_deterministic_algorithms_enabled()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=q.device) if sinks is not None else None
@@ -182,19 +194,23 @@ class _RingAttention(torch.autograd.Function):
                 incoming, kv_pending = ring.start(kv)
             dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2], left,
-                                                              right):
-                block_sinks = sinks if own_chunk else None
-                # With the merged out and lse, each block's backward is its share of the whole one.
-                dq_part, dk_part, dv_part, dsinks_part = torch.ops.flashattn.bwd(
-                    dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
-                    lse[:, :, rows], False, scale, None, deterministic, window, softcap, block_sinks,
-                )
-                dq[:, :, rows] += dq_part
-                dk_acc[:, :, keys] += dk_part
-                dv_acc[:, :, keys] += dv_part
-                if block_sinks is not None:
-                    dsinks += dsinks_part
+            try:
+                for rows, keys, window, own_chunk in _block_calls(layout, ring.rank, source, ring.world, q.shape[2],
+                                                                  left, right):
+                    block_sinks = sinks if own_chunk else None
+                    # With the merged out and lse, each block's backward is its share of the whole one.
+                    dq_part, dk_part, dv_part, dsinks_part = torch.ops.flashattn.bwd(
+                        dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], out[:, :, rows],
+                        lse[:, :, rows], False, scale, None, deterministic, window, softcap, block_sinks,
+                    )
+                    dq[:, :, rows] += dq_part
+                    dk_acc[:, :, keys] += dk_part
+                    dv_acc[:, :, keys] += dv_part
+                    if block_sinks is not None:
+                        dsinks += dsinks_part
+            except BaseException:
+                ring.drain(kv_pending, arriving[1] if arriving is not None else None)
+                raise
             if arriving is not None:  # the earlier ranks' parts, added after this rank's (a fixed order)
                 (dk_in, dv_in), acc_pending = arriving
                 ring.finish(acc_pending)
@@ -230,15 +246,19 @@ def ring_flash_attn(
 
     Args:
         q: (B, H, L_local, D) this rank's queries; k, v: (B, Hk, L_local, D) its keys and values (GQA: Hk | H). Every
-            rank passes the same B, heads, D and L_local.
+            rank passes the same B, heads, D, L_local and dtype (not checked across ranks: a mismatch fails or hangs
+            in the exchange, as a collective's would). k and v travel as contiguous copies.
         causal: causal over the whole sequence (positions in the layout's global order).
         scale, window_size, softcap, sinks: as in :func:`flashattn_ext.flash_attn`, over the whole sequence (the
             window in global positions).
         layout: "contiguous" (rank r holds chunk r of W) or "zigzag" (chunks r and 2W - 1 - r of 2W; L_local even).
 
     Differentiable in q, k, v and sinks: each rank gets the gradients of its own shard, and its share of the sinks'
-    gradient (summed over the ranks as for any replicated parameter, e.g. by DDP). Returns this rank's output rows
-    (B, H, L_local, D) in q's dtype (under autocast, q, k and v are first cast to its dtype, as by flash_attn).
+    gradient (summed over the ranks as for any replicated parameter, e.g. by DDP). Outputs and gradients are summed in
+    float32 over parts that each come in q's dtype: in bf16 dK and dV carry 1.2-1.4x one process's error (world 4).
+    An error in a step (a bad argument is refused before any exchange) leaves the group ready for the next call.
+    Returns this rank's output rows (B, H, L_local, D) in q's dtype (under autocast, q, k and v are first cast to its
+    dtype, as by flash_attn).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"ring_flash_attn: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -252,4 +272,8 @@ def ring_flash_attn(
     if torch.is_autocast_enabled(q.device.type):  # as flash_attn: q, k, v in the autocast dtype (float64 left alone)
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (q, k, v))
+    # The op's own checks (dtypes, heads, head dim, scale, softcap, sinks) on no rows, before any exchange starts.
+    with torch.no_grad():
+        empty = [t[:, :, :0] for t in (q, k, v)]
+        torch.ops.flashattn.fwd(*empty, False, scale, [-1, -1], softcap, sinks)
     return _RingAttention.apply(q, k, v, causal, scale, tuple(window_size), softcap, sinks, group, layout)

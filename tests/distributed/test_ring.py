@@ -1,6 +1,8 @@
-"""Ring attention (flashattn_ext.distributed) on CPU with gloo: world 1, 2 and 3 processes, contiguous and zigzag
-layouts, causal and not, GQA, softcap, windows, sinks, autocast. Each rank's output and q / k / v gradients must match its rows of one
-process's flash_attn over the whole sequence (float64, on the same inputs)."""
+"""Ring attention (flashattn_ext.distributed) on CPU with gloo: world 1, 2 and 3 processes and rings in subgroups,
+contiguous and zigzag layouts, causal and not, GQA, softcap, windows, sinks, autocast, errors inside a step. Each
+rank's output and q / k / v gradients must match its rows of one process's flash_attn over the whole sequence
+(float64, on the same inputs)."""
+import datetime
 import os
 import tempfile
 
@@ -10,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashattn_ext
+from flashattn_ext import distributed
 from flashattn_ext.distributed import ring_flash_attn, zigzag_shard, zigzag_unshard
 from flashattn_ext.ops import _output_like
 
@@ -116,6 +119,73 @@ def test_ring_under_autocast():
         mp.spawn(run_autocast_rank, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
 
 
+def whole_and_local(rank, world, layout="contiguous", dtype=torch.float64):
+    """The same whole q, k, v, dout on every rank, and this rank's shards (autograd leaves)."""
+    torch.manual_seed(0)
+    whole = [torch.randn(1, 2, 12 * world, 8, dtype=dtype) for _ in range(4)]
+    local = [shard(t, layout, rank, world).detach().requires_grad_() for t in whole[:3]]
+    return whole, local, shard(whole[3], layout, rank, world)
+
+
+def assert_matches_whole(whole, local, dout, rank, world, group=None):
+    out = ring_flash_attn(*local, causal=True, group=group)
+    grads = torch.autograd.grad(out, local, dout)
+    leaves = [t.clone().requires_grad_() for t in whole[:3]]
+    ref = flashattn_ext.flash_attn(*leaves, causal=True)
+    ref_grads = torch.autograd.grad(ref, leaves, whole[3])
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got, shard(want, "contiguous", rank, world), atol=1e-5, rtol=1e-5)
+
+
+def run_recovery_rank(rank, world, init_file):
+    # A timeout, so that a group left out of step fails the test instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        whole, local, dout = whole_and_local(rank, world)
+        with pytest.raises(RuntimeError, match="softcap must be"):  # the op's checks, before any exchange
+            ring_flash_attn(*local, softcap=-1.0)
+
+        def failing(*args):  # an error inside a step, once its exchange is in flight (as out of memory would be)
+            raise RuntimeError("injected")
+
+        blocks = distributed._block_calls
+        distributed._block_calls = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            ring_flash_attn(*local, causal=True)
+        distributed._block_calls = blocks
+        out = ring_flash_attn(*local, causal=True)
+        distributed._block_calls = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            torch.autograd.grad(out, local, dout)
+        distributed._block_calls = blocks
+        assert_matches_whole(whole, local, dout, rank, world)  # the group still in step
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_after_an_error():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(run_recovery_rank, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
+def run_subgroup_rank(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+        group = groups[rank % 2]
+        whole, local, dout = whole_and_local(dist.get_rank(group), 2)
+        assert_matches_whole(whole, local, dout, dist.get_rank(group), 2, group=group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_in_a_subgroup():
+    # Two rings of two in a world of four: neighbours are the group's, by their global ranks.
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(run_subgroup_rank, args=(4, os.path.join(tmp, "init")), nprocs=4, join=True)
+
+
 def test_zigzag_roundtrip():
     x = torch.arange(2 * 3 * 24).view(2, 3, 24)
     parts = [zigzag_shard(x, 2, r, 3) for r in range(3)]
@@ -140,8 +210,9 @@ def test_bench_ring_runs_under_torchrun(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ring.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), "--length", "64",
-           "--heads", "2", "--dim", "16", "--iters", "1", "--device", "cpu"]
+    # --standalone: a free port, so that parallel test runs do not collide on torchrun's default one.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           "--length", "64", "--heads", "2", "--dim", "16", "--iters", "1", "--device", "cpu"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
