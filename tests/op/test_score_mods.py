@@ -452,6 +452,9 @@ def test_opcheck_with_mods(device):
     sinks = make_sinks(4, device)
     kwargs = dict(causal=True, window_size=[8, 0], softcap=5.0, sinks=sinks)
     torch.library.opcheck(torch.ops.flashattn.fwd.default, (q, k, v), kwargs)
+    # Everything requiring grad, the sinks too: the autograd kernel's registration and the traced backward.
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashattn.fwd.default, leaves, dict(kwargs, sinks=sinks.clone().requires_grad_()))
     out, lse = fwd(q, k, v, True, None, [8, 0], 5.0, sinks)
     args = (torch.randn_like(out), q, k, v, out, lse)
     torch.library.opcheck(
