@@ -104,7 +104,7 @@ CPU_QUICK = dict(head_dims="32", lengths="128,256", tokens=1024)
 
 # do_bench budgets per measurement. Under the H200's 700 W cap the clock swings for a few hundred milliseconds after
 # the card switches kernels (faster after a slower one, e.g. SDPA's efficient backend, then a dip): 250 ms of warm-up
-# lets most of that pass before the timed window (benchmarks/lab/LOG.md, (29)-(31)).
+# lets most of that pass before the timed window (benchmarks/lab/LOG.md, Method).
 GPU_WARMUP_MS, GPU_REP_MS = 250, 100
 CPU_WARMUP_CALLS, CPU_REPS = 1, 5
 
@@ -724,9 +724,8 @@ def metadata(args, timer_name: str) -> Dict[str, object]:
 
 
 def gpu_uuid() -> Optional[str]:
-    """The card's UUID: which physical GPU a run had. Each call to the device machine may get another card, and runs
-    on different cards differed by up to a few percent in ours / cuDNN (LOG.md, (41)-(42), where the benchmark's
-    arrangement was checked and found not to favour ours)."""
+    """The card's UUID: which physical GPU a run had. Each run may land on another card, and runs on different cards
+    differed by up to a few percent in ours / cuDNN (benchmarks/lab/LOG.md, Method)."""
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     return None if uuid is None else str(uuid)
 

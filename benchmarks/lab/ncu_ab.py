@@ -124,7 +124,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_build_argument(parser)
     parser.add_argument("--shapes", default="128:nc:1024,128:nc:4096", help="comma list of D:nc|c:L")
-    # Three passes read a change of -1.35% as -0.47% once, with the passes overlapping (LOG.md, (20) and (22)).
+    # Three passes read a change of -1.35% as -0.47% once, with the passes overlapping (LOG.md, Method).
     parser.add_argument("--passes", type=int, default=5, help="turns of each build")
     parser.add_argument("--launches", type=int, default=5, help="timed launches per shape (after one warm-up)")
     parser.add_argument("--tokens", type=int, default=16384, help="B * L")
