@@ -35,7 +35,9 @@ def cuda_archs():
     env = os.environ.get("FLASHATTN_CUDA_ARCHS")
     if env:
         archs = [a.strip() for a in env.replace(",", ";").split(";") if a.strip()]
-        bad = [a for a in archs if not re.fullmatch(r"\d{2,3}a?", a) or int(a.rstrip("a")) < 80]
+        # The "a" (arch-specific) targets begin at sm_90a: nvcc has no compute_80a.
+        bad = [a for a in archs
+               if not re.fullmatch(r"\d{2,3}a?", a) or int(a.rstrip("a")) < (90 if a.endswith("a") else 80)]
         if bad or not archs:
             raise SystemExit(f"FLASHATTN_CUDA_ARCHS: {bad or env!r} are not archs of sm_80 or newer, written as 80, "
                              "86, 90a ...")

@@ -201,6 +201,25 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_lse else out
 
 
+_CUDA_REFUSAL = None
+
+
+def _refuse_cuda_tensors():
+    """In a build without CUDA kernels, a call on CUDA tensors raises this instead of the dispatcher's "Could not run
+    'flashattn::fwd' with arguments from the 'CUDA' backend"."""
+    global _CUDA_REFUSAL
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            "flashattn_ext was built without CUDA kernels (FLASHATTN_BUILD_CUDA=0, no nvcc, or a torch without CUDA at "
+            "build time; `pip install -v` shows the build's reason): rebuild it where the CUDA toolkit is installed"
+        )
+
+    _CUDA_REFUSAL = torch.library.Library("flashattn", "IMPL")  # noqa: TOR901 (kept for the process's life)
+    for op in ("fwd", "bwd", "fwd_varlen", "bwd_varlen", "fwd_kvcache"):
+        _CUDA_REFUSAL.impl(op, refuse, "CUDA")
+
+
 # ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 
