@@ -207,7 +207,7 @@ def test_negative_window_is_unbounded():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("packed", [False, True], ids=["sdpa_op", "varlen_attn"])
-def test_autocast_keeps_the_inputs_dtype(packed):
+def test_autocast_dtype_as_pytorchs_kernel(packed):
     # Under a bf16 autocast, fp16 inputs: varlen_attn's op has no autocast rule (fp16 results through PyTorch's kernel),
     # aten's SDPA flash op has one (bf16): our kernels run inside them and must not cast again.
     from torch.nn.attention.varlen import varlen_attn
