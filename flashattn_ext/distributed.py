@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .ops import _output_like, flash_attn_with_lse
+from .ops import _grad_rows, _output_like, flash_attn_with_lse
 
 __all__ = ["ring_flash_attn", "zigzag_shard", "zigzag_unshard"]
 
@@ -178,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         left, right, scale, softcap, group, layout = ctx.options
         ring = _Ring(group)
-        dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # the op takes rows of any stride
+        dout = _grad_rows(dout)
         deterministic = torch.are_deterministic_algorithms_enabled()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=q.device) if sinks is not None else None

@@ -220,6 +220,13 @@ def _refuse_cuda_tensors():
         _CUDA_REFUSAL.impl(op, refuse, "CUDA")
 
 
+def _grad_rows(grad: Tensor) -> Tensor:
+    """A gradient with contiguous rows, as the backward ops take it (autograd's kernel does the same in C++): autograd
+    may hand over an expanded one (the gradient of out.sum(), every stride 0); PyTorch's own flash backward makes it
+    contiguous too."""
+    return grad if grad.stride(-1) == 1 or grad.shape[-1] == 1 else grad.contiguous()
+
+
 # ---- fake (meta) implementations: shapes only, for torch.compile and opcheck -----------------------------------
 
 

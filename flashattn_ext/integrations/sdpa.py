@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..ops import _grad_rows
+
 NAME = "flashattn_ext"
 
 __all__ = ["NAME", "calls", "register"]
@@ -171,12 +173,6 @@ def _like(result: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(template).copy_(result)
 
 
-def _rows(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient with contiguous rows, as the backward ops take it: autograd may hand over an expanded one (the
-    gradient of out.sum(), every stride 0); PyTorch's own flash backward makes it contiguous too."""
-    return grad if grad.stride(-1) == 1 or grad.shape[-1] == 1 else grad.contiguous()
-
-
 def _window(left, right):
     """aten's window sizes as our op takes them: PyTorch's flash kernel reads any negative size as unbounded."""
     return [-1 if x is None or x < 0 else int(x) for x in (left, right)]
@@ -204,7 +200,7 @@ def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
               rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
     window = _window(window_size_left, window_size_right)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    grad_out = _rows(grad_out)
+    grad_out = _grad_rows(grad_out)
     if cum_seq_q is not None and cum_seq_q.numel() > 0:
         dq, dk, dv, _ = torch.ops.flashattn.bwd_varlen(grad_out, query, key, value, out, logsumexp, cum_seq_q,
                                                        cum_seq_k, max_q, max_k, is_causal, scale, None,
@@ -225,6 +221,6 @@ def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
 
 def _sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                    is_causal, philox_seed, philox_offset, *, scale=None):
-    dq, dk, dv, _ = torch.ops.flashattn.bwd(_rows(grad_out), query, key, value, out, logsumexp, is_causal, scale, None,
-                                            torch.are_deterministic_algorithms_enabled())
+    dq, dk, dv, _ = torch.ops.flashattn.bwd(_grad_rows(grad_out), query, key, value, out, logsumexp, is_causal, scale,
+                                            None, torch.are_deterministic_algorithms_enabled())
     return _like(dq, query), _like(dk, key), _like(dv, value)
