@@ -16,17 +16,17 @@ from flashattn_ext import distributed
 from flashattn_ext.distributed import ring_flash_attn, zigzag_shard, zigzag_unshard
 from flashattn_ext.ops import _output_like
 
-CASES = [  # (layout, causal, heads, heads_kv, window, softcap, sinks)
-    ("contiguous", False, 2, 2, (-1, -1), 0.0, False),
-    ("contiguous", True, 4, 2, (-1, -1), 0.0, False),
-    ("zigzag", True, 2, 2, (-1, -1), 0.0, False),
-    ("zigzag", False, 4, 1, (-1, -1), 0.0, False),
-    ("zigzag", True, 4, 2, (-1, -1), 3.0, True),
-    ("zigzag", True, 2, 2, (7, -1), 0.0, False),  # a causal window reaching back past one chunk
-    ("contiguous", False, 2, 2, (5, 13), 0.0, True),  # two-sided, crossing chunk boundaries both ways
-    ("zigzag", False, 2, 1, (2, 0), 1.5, False),  # a window narrower than a chunk
-    ("contiguous", False, 2, 2, (11, 11), 0.0, False),  # one key into each neighbouring chunk (12 rows)
-    ("zigzag", True, 2, 2, (5, -1), 0.0, False),  # one key into the chunk before (6 rows)
+CASES = [  # (layout, causal, heads, heads_kv, window, softcap, sinks, scale)
+    ("contiguous", False, 2, 2, (-1, -1), 0.0, False, None),
+    ("contiguous", True, 4, 2, (-1, -1), 0.0, False, None),
+    ("zigzag", True, 2, 2, (-1, -1), 0.0, False, 0.3),
+    ("zigzag", False, 4, 1, (-1, -1), 0.0, False, None),
+    ("zigzag", True, 4, 2, (-1, -1), 3.0, True, None),
+    ("zigzag", True, 2, 2, (7, -1), 0.0, False, None),  # a causal window reaching back past one chunk
+    ("contiguous", False, 2, 2, (5, 13), 0.0, True, None),  # two-sided, crossing chunk boundaries both ways
+    ("zigzag", False, 2, 1, (2, 0), 1.5, False, -0.5),  # a window narrower than a chunk
+    ("contiguous", False, 2, 2, (11, 11), 0.0, False, None),  # one key into each neighbouring chunk (12 rows)
+    ("zigzag", True, 2, 2, (5, -1), 0.0, False, None),  # one key into the chunk before (6 rows)
 ]
 
 
@@ -37,7 +37,7 @@ def shard(x, layout, rank, world):
 def run_rank(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        for case, (layout, causal, heads, heads_kv, window, softcap, with_sinks) in enumerate(CASES):
+        for case, (layout, causal, heads, heads_kv, window, softcap, with_sinks, scale) in enumerate(CASES):
             torch.manual_seed(0)  # the same whole tensors on every rank
             length, dim = 12 * world, 8
             q = torch.randn(2, heads, length, dim, dtype=torch.float64)
@@ -45,7 +45,7 @@ def run_rank(rank, world, init_file):
             v = torch.randn(2, heads_kv, length, dim, dtype=torch.float64)
             dout = torch.randn(2, heads, length, dim, dtype=torch.float64)
             sinks = torch.linspace(-1.0, 1.0, heads, dtype=torch.float32) if with_sinks else None
-            mods = dict(causal=causal, window_size=window, softcap=softcap)
+            mods = dict(causal=causal, window_size=window, softcap=softcap, scale=scale)
             # One process over the whole sequence.
             whole = [t.clone().requires_grad_() for t in (q, k, v)]
             ref = flashattn_ext.flash_attn(*whole, **mods, sinks=sinks)

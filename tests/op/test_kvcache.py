@@ -62,11 +62,11 @@ def expected(q, k_cache, v_cache, k, v, lengths, first=None, **kwargs):
     return torch.cat(outs), torch.cat(lses)
 
 
-MODS = {
+MODS = {  # a non-default scale rides on two of them (positive and negative)
     "plain": dict(),
     "causal": dict(causal=True),
-    "window": dict(causal=True, window_size=(9, 0)),
-    "softcap-sinks": dict(causal=True, softcap=4.0, sinks=True),
+    "window": dict(causal=True, window_size=(9, 0), scale=0.3),
+    "softcap-sinks": dict(causal=True, softcap=4.0, sinks=True, scale=-0.2),
 }
 
 

@@ -52,13 +52,13 @@ def sequences(cu_q, cu_k):
         yield b, slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
 
 
-MODS = {
+MODS = {  # a non-default scale rides on two of them (positive and negative)
     "plain": dict(),
     "causal": dict(causal=True),
     "window": dict(causal=True, window_size=(31, 0)),
-    "two-sided": dict(window_size=(20, 10)),
+    "two-sided": dict(window_size=(20, 10), scale=0.3),
     "left-only": dict(window_size=(40, -1)),
-    "softcap-sinks": dict(causal=True, softcap=5.0, sinks=True),
+    "softcap-sinks": dict(causal=True, softcap=5.0, sinks=True, scale=-0.2),
 }
 
 
