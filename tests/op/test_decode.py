@@ -1,15 +1,15 @@
-"""The CUDA decode path (queries of at most 16 rows: the query heads of a kv head packed into one tile, keys split
-over CTAs, the splits merged by lse): against the fp64/fp32 reference through the plain op and the KV-cache op, for
-every head-dim bucket, GQA group sizes that fill one or several 16-row tiles, split counts, score modifications, and
-bitwise batch invariance, and the same bits whether a CTA runs each split or one CTA runs them all in turn."""
+"""Short queries against long keys (decode): on CUDA the decode path (queries of at most 16 rows: the query heads of
+a kv head packed into one tile, keys split over CTAs, the splits merged by lse), on CPU the packed short-query path.
+Against the fp64/fp32 reference through the plain op and the KV-cache op, for every head-dim bucket, GQA group sizes
+that fill one or several 16-row tiles, split counts, score modifications, rows whose scores are all -inf, NaN inputs
+and bitwise batch invariance; on CUDA also the same bits whether a CTA runs each split or one CTA runs them all in
+turn."""
 import pytest
 import torch
 
 import flashattn_ext
 from isolated import run_isolated
 from reference import assert_attention_close, make_qkv, sinks_for_keys
-
-pytestmark = pytest.mark.cuda
 
 
 def decode_kernel_ran(fn):
@@ -24,12 +24,13 @@ def decode_kernel_ran(fn):
 @pytest.mark.parametrize("heads,heads_kv", [(8, 8), (32, 8), (32, 1)], ids=["mha", "gqa4", "mqa32"])
 @pytest.mark.parametrize("len_q", [1, 3, 16])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_plain_op_matches_reference(head_dim, heads, heads_kv, len_q, causal):
-    q, k, v = make_qkv(2, heads, heads_kv, len_q, 1000, head_dim, torch.bfloat16, "cuda")
+def test_plain_op_matches_reference(device, head_dim, heads, heads_kv, len_q, causal):
+    q, k, v = make_qkv(2, heads, heads_kv, len_q, 1000, head_dim, torch.bfloat16, device)
     out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal=causal)
     assert_attention_close(out, lse, q, k, v, causal)
 
 
+@pytest.mark.cuda
 def test_the_decode_kernel_runs():
     q, k, v = make_qkv(1, 8, 2, 1, 300, 64, torch.bfloat16, "cuda")
     assert decode_kernel_ran(lambda: flashattn_ext.flash_attn(q, k, v))
@@ -39,9 +40,9 @@ def test_the_decode_kernel_runs():
 
 @pytest.mark.parametrize("len_q,len_k", [(4, 1), (16, 7), (8, 65), (5, 4097)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_odd_lengths_and_rows_without_keys(len_q, len_k, dtype):
+def test_odd_lengths_and_rows_without_keys(device, len_q, len_k, dtype):
     # Causal with Lq > Lk leaves the first rows without keys: out 0, lse -inf.
-    q, k, v = make_qkv(3, 6, 3, len_q, len_k, 96, dtype, "cuda")
+    q, k, v = make_qkv(3, 6, 3, len_q, len_k, 96, dtype, device)
     for causal in (False, True):
         out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, causal=causal)
         assert_attention_close(out, lse, q, k, v, causal)
@@ -53,34 +54,35 @@ def test_odd_lengths_and_rows_without_keys(len_q, len_k, dtype):
      dict(sinks=True, causal=True), dict(window_size=(700, -1), softcap=2.0, sinks=True)],
     ids=["window-causal", "window-two-sided", "softcap", "sinks", "all"],
 )
-def test_score_modifications(mods):
-    q, k, v = make_qkv(2, 16, 4, 4, 1500, 128, torch.bfloat16, "cuda")
+def test_score_modifications(device, mods):
+    q, k, v = make_qkv(2, 16, 4, 4, 1500, 128, torch.bfloat16, device)
     mods = dict(mods)
     if mods.pop("sinks", False):
-        mods["sinks"] = torch.linspace(5.0, 9.0, 16, device="cuda")  # about the lse of 1500 keys (log 1500 + 1/2 = 7.8)
+        mods["sinks"] = torch.linspace(5.0, 9.0, 16, device=device)  # about the lse of 1500 keys (log 1500 + 1/2 = 7.8)
     out, lse = flashattn_ext.flash_attn_with_lse(q, k, v, **mods)
     assert_attention_close(out, lse, q, k, v, mods.get("causal", False), None, mods.get("window_size", (-1, -1)),
                            mods.get("softcap", 0.0), mods.get("sinks"))
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
-def test_split_counts(num_splits):
-    # Every split count gives the reference's answer; each is deterministic and differs in its bits from one split.
+def test_split_counts(device, num_splits):
+    # Every split count gives the reference's answer and is deterministic; on CUDA each differs in its bits from one
+    # split (the CPU takes the count as a hint and runs each row in one pass).
     batch, heads, heads_kv, capacity, head_dim = 3, 32, 8, 2048, 128
-    k_cache = torch.randn(batch, heads_kv, capacity, head_dim, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(batch, heads_kv, capacity, head_dim, dtype=torch.bfloat16, device=device)
     v_cache = torch.randn_like(k_cache)
     lengths = [1, 777, capacity]
     for b, n in enumerate(lengths):
         k_cache[b, :, n:] = float("nan")
         v_cache[b, :, n:] = float("nan")
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, 2, head_dim, dtype=torch.bfloat16, device="cuda")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, 2, head_dim, dtype=torch.bfloat16, device=device)
     run = lambda: flashattn_ext.flash_attn_with_kvcache(  # noqa: E731
         q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, num_splits=num_splits, return_lse=True)
     out, lse = run()
     out2, lse2 = run()
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
-    if num_splits > 1:  # the count took effect: a row's keys merged from parts round differently from one pass
+    if num_splits > 1 and device == "cuda":  # the count took effect: parts merged round otherwise than one pass
         one = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
                                                     num_splits=1, return_lse=True)
         assert not (torch.equal(out, one[0]) and torch.equal(lse, one[1])), "the splits did not run"
@@ -89,13 +91,13 @@ def test_split_counts(num_splits):
                                v_cache[b : b + 1, :, :n], True)
 
 
-def test_batch_invariance():
+def test_batch_invariance(device):
     # A row's bits do not depend on the batch around it (the split count comes from the shape without the batch).
     heads, heads_kv, capacity, head_dim = 32, 8, 4096, 128
-    k_cache = torch.randn(5, heads_kv, capacity, head_dim, dtype=torch.bfloat16, device="cuda")
+    k_cache = torch.randn(5, heads_kv, capacity, head_dim, dtype=torch.bfloat16, device=device)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(5, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
-    seqlens = torch.tensor([4096, 100, 3000, 17, 2500], dtype=torch.int32, device="cuda")
+    q = torch.randn(5, heads, 1, head_dim, dtype=torch.bfloat16, device=device)
+    seqlens = torch.tensor([4096, 100, 3000, 17, 2500], dtype=torch.int32, device=device)
     full, full_lse = flashattn_ext.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True)
     for b in range(5):
         alone, alone_lse = flashattn_ext.flash_attn_with_kvcache(
@@ -103,26 +105,26 @@ def test_batch_invariance():
         assert torch.equal(alone, full[b : b + 1]) and torch.equal(alone_lse, full_lse[b : b + 1])
 
 
-def test_nan_inputs_reach_their_rows_only():
-    q, k, v = make_qkv(2, 8, 2, 1, 500, 64, torch.bfloat16, "cuda")
+def test_nan_inputs_reach_their_rows_only(device):
+    q, k, v = make_qkv(2, 8, 2, 1, 500, 64, torch.bfloat16, device)
     q[0, 3] = float("nan")
     out = flashattn_ext.flash_attn(q, k, v)
     assert torch.isnan(out[0, 3]).all()
-    finite = torch.ones(out.shape[:2], dtype=torch.bool, device="cuda")
+    finite = torch.ones(out.shape[:2], dtype=torch.bool, device=device)
     finite[0, 3] = False
     assert torch.isfinite(out[finite]).all()
 
 
 @pytest.mark.parametrize("num_splits", [1, 4, 0], ids=["one", "four", "auto"])
-def test_rows_whose_scores_are_all_minus_inf(num_splits):
+def test_rows_whose_scores_are_all_minus_inf(device, num_splits):
     # Entry 0: every key scores -inf, so each split's part is empty and only the fold can tell the row sees keys: NaN
     # out and lse, as softmax gives, whatever the split count; with a sink, out 0 and lse = the sink. Entry 1: the
     # first 600 keys only, which weigh 0.
-    q, k, v = make_qkv(2, 8, 2, 1, 1000, 64, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(2, 8, 2, 1, 1000, 64, torch.bfloat16, device)
     q[..., 0] = q[..., 0].abs() + 0.5
     k[0, :, :, 0] = float("-inf")
     k[1, :, :600, 0] = float("-inf")
-    for sinks in (None, sinks_for_keys(8, "cuda")):
+    for sinks in (None, sinks_for_keys(8, device)):
         out, lse = flashattn_ext.flash_attn_with_kvcache(q, k, v, num_splits=num_splits, sinks=sinks,
                                                          return_lse=True)
         if sinks is None:
@@ -185,6 +187,7 @@ def splits_cases():
     return cases
 
 
+@pytest.mark.cuda
 def test_splits_in_turn_give_the_same_bits():
     # The two ways of running the splits fold the same parts in the same order: one process each (the switch is read
     # once), the same inputs.
@@ -207,6 +210,7 @@ def test_splits_in_turn_give_the_same_bits():
                                    kwargs.get("sinks"))
 
 
+@pytest.mark.cuda
 def test_batch_invariance_with_splits_in_turn():
     # A batch whose row groups fill the GPU runs the splits in turn; each row still has the bits it has alone.
     heads, heads_kv, capacity, head_dim = 32, 8, 2048, 64
