@@ -285,6 +285,20 @@ def test_checker_accepts_reference(device, dtype):
     assert_attention_close(out, lse, q, k, v, True, 1 / 8)
 
 
+@pytest.mark.dtypes(cpu=[torch.float16, torch.bfloat16], cuda=[])
+@pytest.mark.parametrize("scale", [1000.0, -1000.0], ids=["+1000", "-1000"])
+def test_checker_holds_on_one_hot_rows(device, dtype, scale):
+    # Scores in the thousands: the naive low-precision path rounds them to the input dtype and is off by O(1) there,
+    # so the rule measures against the other baselines; a wrong output (stale rows, zeros) still fails it.
+    q, k, v = make_qkv(1, 2, 2, 129, 200, 64, dtype, device)
+    out, lse = buggy_attention(q, k, v, True, scale, "none")
+    assert_attention_close(out, lse, q, k, v, True, scale)
+    stale = torch.where(torch.arange(129, device=device)[:, None] % 2 == 0, out, out.roll(1, dims=2))
+    for bad in (stale, torch.zeros_like(out)):
+        with pytest.raises(AssertionError, match="max abs error"):
+            assert_attention_close(bad, lse, q, k, v, True, scale)
+
+
 # ---- CUDA only --------------------------------------------------------------------------------------------------
 
 
