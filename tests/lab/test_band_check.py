@@ -73,9 +73,10 @@ def test_report_lines_carry_the_digests(band_check, capsys):
     assert all(line.split("; bits ")[1].isalnum() for line in first[1:]), first
 
 
-def test_poison_needs_cuda(band_check):
-    with pytest.raises(SystemExit):
+def test_poison_needs_cuda(band_check, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         band_check.main(["--device", "cpu", "--poison", "1"])
+    assert exit_info.value.code == 2 and "--poison fills CUDA memory" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

@@ -130,9 +130,10 @@ def test_kv_heads_run_gqa_rows_against_sdpa(bench, tmp_path):
                     "--no-plot", "--out", str(tmp_path)])
 
 
-def test_rounds_must_be_positive(bench):
-    with pytest.raises(SystemExit):
+def test_rounds_must_be_positive(bench, capsys):
+    with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(["--device", "cpu", "--rounds", "0"])
+    assert exit_info.value.code == 2 and "--rounds: at least 1" in capsys.readouterr().err
 
 
 def test_varlen_lengths_and_plot(tmp_path):
