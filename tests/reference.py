@@ -207,8 +207,9 @@ def assert_attention_close(
 
     out: vs the naive reference (attention_ref on inputs upcast to truth_dtype) and, without softcap and sinks, vs
     SDPA on the same upcast inputs, each within ERROR_FACTOR x the error of PyTorch's low-precision paths (naive and
-    SDPA, in the input dtype; those that are a baseline at all: meaningful_baselines) + OUT_FLOOR. lse: vs logsumexp of the reference scores. Rows that see no key: out
-    exactly 0 and lse exactly -inf, or exactly the sink (SDPA's output on those rows is ignored).
+    SDPA, in the input dtype; those that are a baseline at all: meaningful_baselines) + OUT_FLOOR. lse: vs logsumexp
+    of the reference scores. Rows that see no key: out exactly 0 and lse exactly -inf, or exactly the sink (SDPA's
+    output on those rows is ignored).
     """
     assert_output_properties(out, lse, q)
     len_q, len_k = q.shape[2], k.shape[2]
