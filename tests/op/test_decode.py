@@ -67,7 +67,7 @@ def test_score_modifications(device, mods):
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_split_counts(device, num_splits):
     # Every split count gives the reference's answer and is deterministic; on CUDA each differs in its bits from one
-    # split (the CPU takes the count as a hint and runs each row in one pass).
+    # split (the CPU ignores the count: every row in one pass).
     batch, heads, heads_kv, capacity, head_dim = 3, 32, 8, 2048, 128
     k_cache = torch.randn(batch, heads_kv, capacity, head_dim, dtype=torch.bfloat16, device=device)
     v_cache = torch.randn_like(k_cache)
